@@ -1,0 +1,142 @@
+"""Encoder and decoder layers of ls_transformer, built from ls_fairseq.ops.
+
+Each layer holds only parameters (named as in fairseq's transformer, except the
+fused projections) and runs: GEMMs through torch (cuBLAS on the GPU), every
+other operation through one fused op. Activations are batch-major [B, T, d].
+
+  self-attention:  LN? -> GEMM(qkv) -> split_heads(+bias, q scaled) -> attention
+                   -> merge_heads -> GEMM(out) -> bias_dropout_residual -> LN?
+  FFN:             LN? -> GEMM(fc1) -> bias_act_dropout -> GEMM(fc2)
+                   -> bias_dropout_residual -> LN?
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ls_fairseq import ops
+
+
+def _xavier_blocks(weight, block_rows, gain):
+    """fairseq's init of separate q/k/v projections, applied block by block."""
+    for start in range(0, weight.shape[0], block_rows):
+        nn.init.xavier_uniform_(weight.data[start : start + block_rows], gain=gain)
+
+
+def _linear(in_dim, out_dim, bias=True):
+    return nn.Linear(in_dim, out_dim, bias=bias)
+
+
+class SelfAttention(nn.Module):
+    """Parameters of one self-attention block: fused qkv_proj ([q; k; v]) and out_proj."""
+
+    def __init__(self, embed_dim, num_heads):
+        super().__init__()
+        self.num_heads = num_heads
+        self.scaling = (embed_dim // num_heads) ** -0.5
+        self.qkv_proj = _linear(embed_dim, 3 * embed_dim)
+        self.out_proj = _linear(embed_dim, embed_dim)
+        _xavier_blocks(self.qkv_proj.weight, embed_dim, 1 / math.sqrt(2))
+        nn.init.uniform_(self.qkv_proj.bias, -(embed_dim**-0.5), embed_dim**-0.5)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        nn.init.constant_(self.out_proj.bias, 0.0)
+
+
+class CrossAttention(nn.Module):
+    """Query and output projections of one cross-attention block; the keys and
+    values of all layers come from the decoder's single encoder_attn_kv_proj."""
+
+    def __init__(self, embed_dim, num_heads):
+        super().__init__()
+        self.num_heads = num_heads
+        self.scaling = (embed_dim // num_heads) ** -0.5
+        self.q_proj = _linear(embed_dim, embed_dim)
+        self.out_proj = _linear(embed_dim, embed_dim)
+        nn.init.xavier_uniform_(self.q_proj.weight, gain=1 / math.sqrt(2))
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        nn.init.constant_(self.out_proj.bias, 0.0)
+
+
+class _Layer(nn.Module):
+    def __init__(self, embed_dim, ffn_dim, num_heads, normalize_before, cfg):
+        super().__init__()
+        self.normalize_before = normalize_before
+        self.dropout = cfg.dropout
+        self.attention_dropout = cfg.attention_dropout
+        self.activation_dropout = cfg.activation_dropout
+        self.activation_fn = cfg.activation_fn
+        self.self_attn = SelfAttention(embed_dim, num_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(embed_dim)
+        self.fc1 = _linear(embed_dim, ffn_dim)
+        self.fc2 = _linear(ffn_dim, embed_dim)
+        self.final_layer_norm = nn.LayerNorm(embed_dim)
+
+    def _norm(self, x, ln, before):
+        """Apply ``ln`` when it belongs at this point (before=True: block input)."""
+        if before == self.normalize_before:
+            return ops.layer_norm(x, ln.weight, ln.bias)
+        return x
+
+    def _self_attention(self, x, key_padding_mask, causal, cache=None):
+        attn = self.self_attn
+        h = self._norm(x, self.self_attn_layer_norm, True)
+        q, k, v = ops.split_heads(F.linear(h, attn.qkv_proj.weight), attn.qkv_proj.bias, attn.num_heads, 3, attn.scaling)
+        if cache is not None:
+            if "k" in cache:
+                k = torch.cat([cache["k"], k], dim=2)
+                v = torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        ctx = ops.attention(q, k, v, key_padding_mask, causal, self.attention_dropout, self.training)
+        out = F.linear(ops.merge_heads(ctx), attn.out_proj.weight)
+        x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training)
+        return self._norm(x, self.self_attn_layer_norm, False)
+
+    def _ffn(self, x):
+        h = self._norm(x, self.final_layer_norm, True)
+        h = ops.bias_act_dropout(
+            F.linear(h, self.fc1.weight), self.fc1.bias, self.activation_fn, self.activation_dropout, self.training
+        )
+        x = ops.bias_dropout_residual(F.linear(h, self.fc2.weight), self.fc2.bias, x, self.dropout, self.training)
+        return self._norm(x, self.final_layer_norm, False)
+
+
+class EncoderLayer(_Layer):
+    def __init__(self, cfg):
+        super().__init__(
+            cfg.encoder_embed_dim,
+            cfg.encoder_ffn_embed_dim,
+            cfg.encoder_attention_heads,
+            cfg.encoder_normalize_before,
+            cfg,
+        )
+
+    def forward(self, x, padding_mask):
+        x = self._self_attention(x, padding_mask, causal=False)
+        return self._ffn(x)
+
+
+class DecoderLayer(_Layer):
+    def __init__(self, cfg):
+        super().__init__(
+            cfg.decoder_embed_dim,
+            cfg.decoder_ffn_embed_dim,
+            cfg.decoder_attention_heads,
+            cfg.decoder_normalize_before,
+            cfg,
+        )
+        self.encoder_attn = CrossAttention(cfg.decoder_embed_dim, cfg.decoder_attention_heads)
+        self.encoder_attn_layer_norm = nn.LayerNorm(cfg.decoder_embed_dim)
+
+    def forward(self, x, self_padding_mask, enc_k, enc_v, enc_padding_mask, cache=None):
+        """enc_k/enc_v: this layer's keys and values of the encoder output [B, heads, S, d_head];
+        ``cache`` (a dict) holds the self-attention keys/values in incremental decoding."""
+        x = self._self_attention(x, self_padding_mask, causal=True, cache=cache)
+        attn = self.encoder_attn
+        h = self._norm(x, self.encoder_attn_layer_norm, True)
+        (q,) = ops.split_heads(F.linear(h, attn.q_proj.weight), attn.q_proj.bias, attn.num_heads, 1, attn.scaling)
+        ctx = ops.attention(q, enc_k, enc_v, enc_padding_mask, False, self.attention_dropout, self.training)
+        out = F.linear(ops.merge_heads(ctx), attn.out_proj.weight)
+        x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training)
+        x = self._norm(x, self.encoder_attn_layer_norm, False)
+        return self._ffn(x)

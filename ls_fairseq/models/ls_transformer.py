@@ -1,0 +1,366 @@
+"""ls_transformer: fairseq's Transformer (Vaswani et al.) on fused ops.
+
+Numerically fairseq's ``transformer`` (post-LN or pre-LN, relu or gelu,
+sinusoidal or learned positions, shared embeddings), with the parameter names
+of fairseq's except for the fused projections:
+  - ``*.self_attn.qkv_proj`` = fairseq's q_proj, k_proj, v_proj stacked [q; k; v];
+  - ``decoder.encoder_attn_kv_proj`` = every decoder layer's encoder_attn
+    k_proj and v_proj stacked [k_0; v_0; k_1; v_1; ...], so the keys and values
+    of the encoder output for all layers are one GEMM (LightSeq2).
+``python -m ls_fairseq.convert`` maps between the two layouts.
+
+Activations are batch-major: the encoder's ``encoder_out["encoder_out"][0]``
+is [batch, src_len, dim] (fairseq's own transformer uses [src_len, batch, dim]).
+"""
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.dataclass.utils import gen_parser_from_dataclass
+from fairseq.models import (
+    FairseqEncoder,
+    FairseqEncoderDecoderModel,
+    FairseqIncrementalDecoder,
+    register_model,
+    register_model_architecture,
+)
+
+from ls_fairseq import ops
+from ls_fairseq.models.layers import DecoderLayer, EncoderLayer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_POSITIONS = 1024
+
+
+@dataclass
+class LSTransformerConfig(FairseqDataclass):
+    activation_fn: ChoiceEnum(["relu", "gelu"]) = field(
+        default="relu", metadata={"help": "activation function of the FFN (gelu: the exact erf form, as fairseq's)"}
+    )
+    dropout: float = field(default=0.1, metadata={"help": "dropout probability"})
+    attention_dropout: float = field(default=0.0, metadata={"help": "dropout probability for attention weights"})
+    activation_dropout: float = field(
+        default=0.0, metadata={"help": "dropout probability after activation in FFN"}
+    )
+    encoder_embed_dim: int = field(default=512, metadata={"help": "encoder embedding dimension"})
+    encoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "encoder embedding dimension for FFN"})
+    encoder_layers: int = field(default=6, metadata={"help": "num encoder layers"})
+    encoder_attention_heads: int = field(default=8, metadata={"help": "num encoder attention heads"})
+    encoder_normalize_before: bool = field(
+        default=False, metadata={"help": "apply layernorm before each encoder block (pre-LN)"}
+    )
+    encoder_learned_pos: bool = field(default=False, metadata={"help": "use learned positional embeddings in the encoder"})
+    decoder_embed_dim: int = field(default=512, metadata={"help": "decoder embedding dimension"})
+    decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "decoder embedding dimension for FFN"})
+    decoder_layers: int = field(default=6, metadata={"help": "num decoder layers"})
+    decoder_attention_heads: int = field(default=8, metadata={"help": "num decoder attention heads"})
+    decoder_normalize_before: bool = field(
+        default=False, metadata={"help": "apply layernorm before each decoder block (pre-LN)"}
+    )
+    decoder_learned_pos: bool = field(default=False, metadata={"help": "use learned positional embeddings in the decoder"})
+    share_decoder_input_output_embed: bool = field(
+        default=False, metadata={"help": "share decoder input and output embeddings"}
+    )
+    share_all_embeddings: bool = field(
+        default=False,
+        metadata={"help": "share encoder, decoder and output embeddings (requires shared dictionary and embed dim)"},
+    )
+    no_scale_embedding: bool = field(default=False, metadata={"help": "if True, dont scale embeddings"})
+    max_source_positions: int = field(
+        default=DEFAULT_MAX_POSITIONS, metadata={"help": "Maximum input length supported by the encoder"}
+    )
+    max_target_positions: int = field(
+        default=DEFAULT_MAX_POSITIONS, metadata={"help": "Maximum output length supported by the decoder"}
+    )
+
+
+def _embedding(num_embeddings, embedding_dim, padding_idx):
+    """fairseq's Embedding init: N(0, dim^-0.5), padding row zero."""
+    m = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx)
+    nn.init.normal_(m.weight, mean=0, std=embedding_dim**-0.5)
+    nn.init.constant_(m.weight[padding_idx], 0)
+    return m
+
+
+class _EmbeddingMixin:
+    """Token + positional embedding through ops.embedding, with fairseq's
+    parameter names (``embed_tokens``, ``embed_positions``) on the encoder/decoder."""
+
+    def _init_embedding(self, embed_tokens, max_positions, learned_pos, no_scale, dropout):
+        self.embed_tokens = embed_tokens
+        self.padding_idx = embed_tokens.padding_idx
+        dim = embed_tokens.embedding_dim
+        self.embed_scale = 1.0 if no_scale else dim**0.5
+        self.embed_dropout = dropout
+        self.max_embed_positions = max_positions
+        self.embed_positions = (
+            _embedding(max_positions + self.padding_idx + 1, dim, self.padding_idx) if learned_pos else None
+        )
+
+    def _embed(self, tokens, positions):
+        pos_weight = self.embed_positions.weight if self.embed_positions is not None else None
+        return ops.embedding(
+            tokens, positions, self.embed_tokens.weight, pos_weight, self.embed_scale, self.padding_idx,
+            self.embed_dropout, self.training,
+        )
+
+    def max_positions(self):
+        return self.max_embed_positions
+
+
+class LSTransformerEncoder(_EmbeddingMixin, FairseqEncoder):
+    def __init__(self, cfg, dictionary, embed_tokens):
+        super().__init__(dictionary)
+        self._init_embedding(
+            embed_tokens, cfg.max_source_positions, cfg.encoder_learned_pos, cfg.no_scale_embedding, cfg.dropout
+        )
+        self.layers = nn.ModuleList([EncoderLayer(cfg) for _ in range(cfg.encoder_layers)])
+        self.layer_norm = nn.LayerNorm(cfg.encoder_embed_dim) if cfg.encoder_normalize_before else None
+
+    def forward(self, src_tokens, src_lengths=None, return_all_hiddens=False, token_embeddings=None):
+        padding_mask = src_tokens.eq(self.padding_idx)
+        x = self._embed(src_tokens, ops.make_positions(src_tokens, self.padding_idx))
+        states = [x] if return_all_hiddens else []
+        for layer in self.layers:
+            x = layer(x, padding_mask)
+            if return_all_hiddens:
+                states.append(x)
+        if self.layer_norm is not None:
+            x = ops.layer_norm(x, self.layer_norm.weight, self.layer_norm.bias)
+        return {
+            "encoder_out": [x],
+            "encoder_padding_mask": [padding_mask],
+            "encoder_embedding": [],
+            "encoder_states": states,
+            "src_tokens": [],
+            "src_lengths": [src_lengths] if src_lengths is not None else [],
+        }
+
+    def reorder_encoder_out(self, encoder_out, new_order):
+        def pick(key, dim=0):
+            return [t.index_select(dim, new_order) for t in encoder_out[key]]
+
+        return {
+            "encoder_out": pick("encoder_out"),
+            "encoder_padding_mask": pick("encoder_padding_mask"),
+            "encoder_embedding": pick("encoder_embedding"),
+            "encoder_states": pick("encoder_states"),
+            "src_tokens": pick("src_tokens"),
+            "src_lengths": pick("src_lengths"),
+        }
+
+class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
+    def __init__(self, cfg, dictionary, embed_tokens):
+        super().__init__(dictionary)
+        dim = cfg.decoder_embed_dim
+        self._init_embedding(
+            embed_tokens, cfg.max_target_positions, cfg.decoder_learned_pos, cfg.no_scale_embedding, cfg.dropout
+        )
+        self.num_heads = cfg.decoder_attention_heads
+        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.decoder_layers)])
+        # keys and values of the encoder output for all layers: one GEMM (LightSeq2)
+        self.encoder_attn_kv_proj = nn.Linear(cfg.encoder_embed_dim, 2 * len(self.layers) * dim)
+        for start in range(0, self.encoder_attn_kv_proj.weight.shape[0], dim):
+            nn.init.xavier_uniform_(self.encoder_attn_kv_proj.weight.data[start : start + dim], gain=2**-0.5)
+        bound = cfg.encoder_embed_dim**-0.5
+        nn.init.uniform_(self.encoder_attn_kv_proj.bias, -bound, bound)
+        self.layer_norm = nn.LayerNorm(dim) if cfg.decoder_normalize_before else None
+        self.output_projection = nn.Linear(dim, len(dictionary), bias=False)
+        if cfg.share_decoder_input_output_embed:
+            self.output_projection.weight = embed_tokens.weight
+        else:
+            nn.init.normal_(self.output_projection.weight, mean=0, std=dim**-0.5)
+
+    def _encoder_keys_values(self, encoder_out):
+        enc = encoder_out["encoder_out"][0]
+        kv = ops.split_heads(
+            F.linear(enc, self.encoder_attn_kv_proj.weight), self.encoder_attn_kv_proj.bias,
+            self.num_heads, 2 * len(self.layers),
+        )
+        return torch.stack(kv)
+
+    def forward(
+        self,
+        prev_output_tokens,
+        encoder_out=None,
+        incremental_state=None,
+        features_only=False,
+        full_context_alignment=False,
+        alignment_layer=None,
+        alignment_heads=None,
+        src_lengths=None,
+        return_all_hiddens=False,
+    ):
+        x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state)
+        if not features_only:
+            x = self.output_layer(x)
+        return x, extra
+
+    def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, **unused):
+        pad = self.padding_idx
+        positions = ops.make_positions(prev_output_tokens, pad)
+        cache = self.get_incremental_state(incremental_state, "cache") if incremental_state is not None else None
+        if incremental_state is not None:
+            prev_output_tokens, positions = prev_output_tokens[:, -1:], positions[:, -1:]
+            if cache is None:
+                cache = {"encoder_kv": self._encoder_keys_values(encoder_out)}
+                self.set_incremental_state(incremental_state, "cache", cache)
+            encoder_kv, self_padding_mask = cache["encoder_kv"], None
+        else:
+            encoder_kv, self_padding_mask = self._encoder_keys_values(encoder_out), prev_output_tokens.eq(pad)
+        enc_padding_mask = encoder_out["encoder_padding_mask"][0] if encoder_out["encoder_padding_mask"] else None
+        x = self._embed(prev_output_tokens, positions)
+        inner_states = [x]
+        for i, layer in enumerate(self.layers):
+            layer_cache = None
+            if cache is not None:
+                layer_cache = cache.setdefault("layer{}".format(i), {})
+            x = layer(x, self_padding_mask, encoder_kv[2 * i], encoder_kv[2 * i + 1], enc_padding_mask, layer_cache)
+            inner_states.append(x)
+        if self.layer_norm is not None:
+            x = ops.layer_norm(x, self.layer_norm.weight, self.layer_norm.bias)
+        return x, {"attn": [None], "inner_states": inner_states}
+
+    def output_layer(self, features):
+        return F.linear(features, self.output_projection.weight)
+
+    def reorder_incremental_state(self, incremental_state, new_order):
+        cache = self.get_incremental_state(incremental_state, "cache")
+        if cache is None:
+            return
+        cache["encoder_kv"] = cache["encoder_kv"].index_select(1, new_order)
+        for key, value in cache.items():
+            if key.startswith("layer"):
+                for name in value:
+                    value[name] = value[name].index_select(0, new_order)
+        self.set_incremental_state(incremental_state, "cache", cache)
+
+@register_model("ls_transformer")
+class LSTransformerModel(FairseqEncoderDecoderModel):
+    """fairseq's Transformer on LightSeq2-style fused layers (see the module docstring)."""
+
+    @classmethod
+    def add_args(cls, parser):
+        # no defaults here, so that architecture functions can set them (as fairseq's transformer does)
+        gen_parser_from_dataclass(parser, LSTransformerConfig(), delete_default=True, with_prefix="")
+
+    @classmethod
+    def build_model(cls, args, task):
+        base_architecture(args)
+        for side in ("encoder", "decoder"):
+            dim, heads = getattr(args, side + "_embed_dim"), getattr(args, side + "_attention_heads")
+            if dim % heads != 0:
+                raise ValueError(
+                    "ls_transformer: --{0}-embed-dim {1} is not divisible by --{0}-attention-heads {2}".format(
+                        side, dim, heads
+                    )
+                )
+        src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+        encoder_embed = _embedding(len(src_dict), args.encoder_embed_dim, src_dict.pad())
+        if args.share_all_embeddings:
+            if src_dict != tgt_dict:
+                raise ValueError("--share-all-embeddings requires a joined dictionary")
+            if args.encoder_embed_dim != args.decoder_embed_dim:
+                raise ValueError("--share-all-embeddings requires --encoder-embed-dim to match --decoder-embed-dim")
+            args.share_decoder_input_output_embed = True
+            decoder_embed = encoder_embed
+        else:
+            decoder_embed = _embedding(len(tgt_dict), args.decoder_embed_dim, tgt_dict.pad())
+        encoder = LSTransformerEncoder(args, src_dict, encoder_embed)
+        decoder = LSTransformerDecoder(args, tgt_dict, decoder_embed)
+        return cls(encoder, decoder)
+
+    def max_positions(self):
+        return (self.encoder.max_positions(), self.decoder.max_positions())
+
+
+@register_model_architecture("ls_transformer", "ls_transformer")
+def base_architecture(args):
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 512)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 2048)
+    args.encoder_layers = getattr(args, "encoder_layers", 6)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 8)
+    args.encoder_normalize_before = getattr(args, "encoder_normalize_before", False)
+    args.encoder_learned_pos = getattr(args, "encoder_learned_pos", False)
+    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", args.encoder_embed_dim)
+    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", args.encoder_ffn_embed_dim)
+    args.decoder_layers = getattr(args, "decoder_layers", 6)
+    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 8)
+    args.decoder_normalize_before = getattr(args, "decoder_normalize_before", False)
+    args.decoder_learned_pos = getattr(args, "decoder_learned_pos", False)
+    args.attention_dropout = getattr(args, "attention_dropout", 0.0)
+    args.activation_dropout = getattr(args, "activation_dropout", 0.0)
+    args.activation_fn = getattr(args, "activation_fn", "relu")
+    args.dropout = getattr(args, "dropout", 0.1)
+    args.share_decoder_input_output_embed = getattr(args, "share_decoder_input_output_embed", False)
+    args.share_all_embeddings = getattr(args, "share_all_embeddings", False)
+    args.no_scale_embedding = getattr(args, "no_scale_embedding", False)
+    args.max_source_positions = getattr(args, "max_source_positions", None) or DEFAULT_MAX_POSITIONS
+    args.max_target_positions = getattr(args, "max_target_positions", None) or DEFAULT_MAX_POSITIONS
+
+
+@register_model_architecture("ls_transformer", "ls_transformer_tiny")
+def ls_transformer_tiny(args):
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 64)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 64)
+    args.encoder_layers = getattr(args, "encoder_layers", 2)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 2)
+    args.decoder_layers = getattr(args, "decoder_layers", 2)
+    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 2)
+    base_architecture(args)
+
+
+@register_model_architecture("ls_transformer", "ls_transformer_iwslt_de_en")
+def ls_transformer_iwslt_de_en(args):
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 512)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
+    args.encoder_layers = getattr(args, "encoder_layers", 6)
+    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 512)
+    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 1024)
+    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
+    args.decoder_layers = getattr(args, "decoder_layers", 6)
+    base_architecture(args)
+
+
+@register_model_architecture("ls_transformer", "ls_transformer_wmt_en_de")
+def ls_transformer_wmt_en_de(args):
+    base_architecture(args)
+
+
+@register_model_architecture("ls_transformer", "ls_transformer_vaswani_wmt_en_de_big")
+def ls_transformer_vaswani_wmt_en_de_big(args):
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 1024)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 4096)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 16)
+    args.encoder_normalize_before = getattr(args, "encoder_normalize_before", False)
+    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 1024)
+    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 4096)
+    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 16)
+    args.dropout = getattr(args, "dropout", 0.3)
+    base_architecture(args)
+
+
+@register_model_architecture("ls_transformer", "ls_transformer_vaswani_wmt_en_fr_big")
+def ls_transformer_vaswani_wmt_en_fr_big(args):
+    args.dropout = getattr(args, "dropout", 0.1)
+    ls_transformer_vaswani_wmt_en_de_big(args)
+
+
+@register_model_architecture("ls_transformer", "ls_transformer_wmt_en_de_big")
+def ls_transformer_wmt_en_de_big(args):
+    args.attention_dropout = getattr(args, "attention_dropout", 0.1)
+    ls_transformer_vaswani_wmt_en_de_big(args)
+
+
+@register_model_architecture("ls_transformer", "ls_transformer_wmt_en_de_big_t2t")
+def ls_transformer_wmt_en_de_big_t2t(args):
+    args.encoder_normalize_before = getattr(args, "encoder_normalize_before", True)
+    args.decoder_normalize_before = getattr(args, "decoder_normalize_before", True)
+    args.attention_dropout = getattr(args, "attention_dropout", 0.1)
+    args.activation_dropout = getattr(args, "activation_dropout", 0.1)
+    ls_transformer_vaswani_wmt_en_de_big(args)

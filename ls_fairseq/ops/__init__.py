@@ -1,0 +1,26 @@
+"""Fused Transformer ops: one module per op, each with its PyTorch reference,
+its autograd Function and one dispatch point (see ``dispatch``)."""
+from ls_fairseq.ops.adam import adam_step, grad_norm
+from ls_fairseq.ops.attention import attention
+from ls_fairseq.ops.bias_act_dropout import bias_act_dropout
+from ls_fairseq.ops.bias_dropout_residual import bias_dropout_residual
+from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy
+from ls_fairseq.ops.embedding import embedding, make_positions
+from ls_fairseq.ops.layer_norm import layer_norm
+from ls_fairseq.ops.qkv import merge_heads, split_heads
+from ls_fairseq.ops.softmax import softmax
+
+__all__ = [
+    "adam_step",
+    "attention",
+    "bias_act_dropout",
+    "bias_dropout_residual",
+    "embedding",
+    "grad_norm",
+    "label_smoothed_cross_entropy",
+    "layer_norm",
+    "make_positions",
+    "merge_heads",
+    "softmax",
+    "split_heads",
+]

@@ -1,0 +1,84 @@
+"""out = dropout(act(x + bias)), act in {relu, gelu}: the FFN's first half.
+
+One pass reads x and bias and writes out and the keep-mask; x + bias and
+act(x + bias) are never stored. Backward recomputes x + bias from x (which the
+FFN's second GEMM does not need, so keeping x costs what keeping act(x+b)
+would). gelu is the exact erf form that fairseq's ``gelu`` computes.
+"""
+import math
+
+import torch
+
+from ls_fairseq.ops import dispatch
+
+ACTIVATIONS = ("relu", "gelu")
+
+
+def _check_activation(activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            "bias_act_dropout: activation {!r} is not supported; choose one of {}".format(
+                activation, ", ".join(ACTIVATIONS)
+            )
+        )
+
+
+def _act(h, activation):
+    if activation == "relu":
+        return torch.relu(h)
+    return 0.5 * h * (1.0 + torch.erf(h * (1.0 / math.sqrt(2.0))))
+
+
+def _act_grad(h, activation):
+    if activation == "relu":
+        return (h > 0).to(h.dtype)
+    # d/dh [h * Phi(h)] = Phi(h) + h * phi(h)
+    cdf = 0.5 * (1.0 + torch.erf(h * (1.0 / math.sqrt(2.0))))
+    pdf = torch.exp(-0.5 * h * h) * (1.0 / math.sqrt(2.0 * math.pi))
+    return cdf + h * pdf
+
+
+def bias_act_dropout_forward_reference(x, bias, activation, p, mask):
+    if p > 0 and mask is None:
+        mask = dispatch.dropout_mask(x.shape, p, x.device)
+    y = dispatch.apply_dropout(_act(x.float() + bias.float(), activation), mask, p)
+    return y.to(x.dtype), mask
+
+
+def bias_act_dropout_backward_reference(dout, x, bias, mask, activation, p):
+    # dh = dout * mask / (1 - p) * act'(x + bias); dx = dh; dbias = sum over tokens of dh
+    h = x.float() + bias.float()
+    dh = dispatch.apply_dropout(dout.float(), mask, p) * _act_grad(h, activation)
+    dbias = dh.reshape(-1, dh.shape[-1]).sum(0)
+    return dh.to(x.dtype), dbias.to(x.dtype)
+
+
+class BiasActDropoutFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, activation, p, mask):
+        fwd, bwd = dispatch.implementation(
+            "bias_act_dropout", x, bias_act_dropout_forward_reference, bias_act_dropout_backward_reference
+        )
+        x = x.contiguous()
+        out, mask = fwd(x, bias, activation, p, mask)
+        ctx.bwd, ctx.activation, ctx.p = bwd, activation, p
+        ctx.save_for_backward(x, bias, mask)
+        return out, mask
+
+    @staticmethod
+    def backward(ctx, dout, _dmask):
+        x, bias, mask = ctx.saved_tensors
+        dx, dbias = ctx.bwd(dout.contiguous(), x, bias, mask, ctx.activation, ctx.p)
+        return dx, dbias, None, None, None
+
+
+def bias_act_dropout(x, bias, activation="relu", p=0.0, training=True, mask=None):
+    """dropout(act(x + bias)); ``mask`` (uint8 keep-mask) fixes the dropout."""
+    _check_activation(activation)
+    if x.shape[-1] != bias.numel():
+        raise ValueError(
+            "bias_act_dropout: bias {} must equal x's last dimension {}".format(tuple(bias.shape), x.shape[-1])
+        )
+    p = p if training else 0.0
+    out, _ = BiasActDropoutFunction.apply(x, bias, activation, p, mask if p > 0 else None)
+    return out

@@ -1,0 +1,57 @@
+"""out = residual + dropout(x + bias): the tail of every attention and FFN block.
+
+One pass reads x, bias, residual and writes out and the keep-mask (1 byte per
+element); x + bias is never stored. Backward needs only the mask.
+"""
+import torch
+
+from ls_fairseq.ops import dispatch
+
+
+def bias_dropout_residual_forward_reference(x, bias, residual, p, mask):
+    if p > 0 and mask is None:
+        mask = dispatch.dropout_mask(x.shape, p, x.device)
+    y = dispatch.apply_dropout(x.float() + bias.float(), mask, p) + residual.float()
+    return y.to(x.dtype), mask
+
+
+def bias_dropout_residual_backward_reference(dout, mask, p):
+    # d residual = dout; d x = dout * mask / (1 - p); d bias = sum over tokens of d x
+    dx = dispatch.apply_dropout(dout.float(), mask, p)
+    dbias = dx.reshape(-1, dx.shape[-1]).sum(0)
+    return dx.to(dout.dtype), dbias.to(dout.dtype)
+
+
+class BiasDropoutResidualFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, residual, p, mask):
+        fwd, bwd = dispatch.implementation(
+            "bias_dropout_residual",
+            x,
+            bias_dropout_residual_forward_reference,
+            bias_dropout_residual_backward_reference,
+        )
+        out, mask = fwd(x.contiguous(), bias, residual.contiguous(), p, mask)
+        ctx.bwd, ctx.p = bwd, p
+        ctx.save_for_backward(mask)
+        return out, mask
+
+    @staticmethod
+    def backward(ctx, dout, _dmask):
+        (mask,) = ctx.saved_tensors
+        dout = dout.contiguous()
+        dx, dbias = ctx.bwd(dout, mask, ctx.p)
+        return dx, dbias, dout, None, None
+
+
+def bias_dropout_residual(x, bias, residual, p=0.0, training=True, mask=None):
+    """residual + dropout(x + bias); ``mask`` (uint8 keep-mask) fixes the dropout."""
+    if x.shape != residual.shape or x.shape[-1] != bias.numel():
+        raise ValueError(
+            "bias_dropout_residual: x {} and residual {} must match, bias {} must equal x's last dimension".format(
+                tuple(x.shape), tuple(residual.shape), tuple(bias.shape)
+            )
+        )
+    p = p if training else 0.0
+    out, _ = BiasDropoutResidualFunction.apply(x, bias, residual, p, mask if p > 0 else None)
+    return out

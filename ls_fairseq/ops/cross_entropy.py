@@ -1,0 +1,75 @@
+"""Label-smoothed cross-entropy in fairseq's formula, from logits.
+
+Per token, with V = vocab size, eps_i = eps / (V - 1), lse = logsumexp(logits):
+  nll    = lse - logit[target]
+  smooth = sum_j -log p_j = V * lse - sum_j logit_j
+  loss   = (1 - eps - eps_i) * nll + eps_i * smooth
+and both are 0 where target == padding_idx. Only lse (fp32, one per token) is
+kept for backward: the fp32 [tokens x vocab] log-probabilities are never
+materialised by the kernel.
+"""
+import torch
+
+from ls_fairseq.ops import dispatch
+
+
+def cross_entropy_forward_reference(logits, target, epsilon, padding_idx):
+    x = logits.float()
+    V = x.shape[-1]
+    eps_i = epsilon / (V - 1)
+    lse = torch.logsumexp(x, dim=-1)
+    nll = lse - x.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    smooth = V * lse - x.sum(-1)
+    loss = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
+    pad = target.eq(padding_idx)
+    return loss.masked_fill(pad, 0.0), nll.masked_fill(pad, 0.0), lse
+
+
+def cross_entropy_backward_reference(dloss, dnll, logits, target, lse, epsilon, padding_idx):
+    # d loss / d logit_j = p_j - eps_i - (1 - eps - eps_i) [j = target]
+    #   (the coefficient of p_j is (1 - eps - eps_i) + eps_i * V = 1)
+    # d nll / d logit_j = p_j - [j = target]; rows with target == padding_idx get 0
+    V = logits.shape[-1]
+    eps_i = epsilon / (V - 1)
+    prob = torch.exp(logits.float() - lse.unsqueeze(-1))
+    onehot = torch.zeros_like(prob).scatter_(-1, target.unsqueeze(-1), 1.0)
+    live = target.ne(padding_idx).float().unsqueeze(-1)
+    g_loss, g_nll = dloss.float().unsqueeze(-1) * live, dnll.float().unsqueeze(-1) * live
+    grad = g_loss * (prob - eps_i - (1.0 - epsilon - eps_i) * onehot) + g_nll * (prob - onehot)
+    return grad.to(logits.dtype)
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, epsilon, padding_idx):
+        fwd, bwd = dispatch.implementation(
+            "cross_entropy", logits, cross_entropy_forward_reference, cross_entropy_backward_reference
+        )
+        logits = logits.contiguous()
+        loss, nll, lse = fwd(logits, target, epsilon, padding_idx)
+        ctx.bwd, ctx.epsilon, ctx.padding_idx = bwd, epsilon, padding_idx
+        ctx.save_for_backward(logits, target, lse)
+        return loss, nll
+
+    @staticmethod
+    def backward(ctx, dloss, dnll):
+        logits, target, lse = ctx.saved_tensors
+        dloss = torch.zeros_like(lse) if dloss is None else dloss.contiguous()
+        dnll = torch.zeros_like(lse) if dnll is None else dnll.contiguous()
+        grad = ctx.bwd(dloss, dnll, logits, target, lse, ctx.epsilon, ctx.padding_idx)
+        return grad, None, None, None
+
+
+def label_smoothed_cross_entropy(logits, target, epsilon, padding_idx):
+    """Per-token (loss, nll_loss), fp32, zero at padding; logits [..., V], target [...]."""
+    V = logits.shape[-1]
+    if V < 2:
+        raise ValueError("label_smoothed_cross_entropy: vocabulary size must be at least 2, got {}".format(V))
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(
+            "label_smoothed_cross_entropy: logits {} must be target {} plus a vocabulary dimension".format(
+                tuple(logits.shape), tuple(target.shape)
+            )
+        )
+    loss, nll = CrossEntropyFunction.apply(logits.reshape(-1, V), target.reshape(-1), float(epsilon), padding_idx)
+    return loss.view(target.shape), nll.view(target.shape)

@@ -1,0 +1,99 @@
+"""Token embedding x scale + positional embedding + dropout, padding rows zero.
+
+tokens [B, T] and positions [B, T] (fairseq's make_positions: padding_idx + 1
+onwards for real tokens, padding_idx for padding) -> [B, T, d]. Positions come
+from a learned table, or, when ``pos_weight`` is None, from fairseq's
+sinusoidal formula computed on the fly (never stored as a table by the kernel).
+Backward accumulates the table gradients in fp32 (no half-precision atomics)
+and casts once; padding tokens give no gradient.
+"""
+import math
+
+import torch
+
+from ls_fairseq.ops import dispatch
+
+
+def make_positions(tokens, padding_idx):
+    """fairseq's make_positions: 1-based positions offset by padding_idx, pads -> padding_idx."""
+    mask = tokens.ne(padding_idx).int()
+    return (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + padding_idx
+
+
+def sinusoidal(positions, dim, padding_idx):
+    """fairseq's sinusoidal embedding of ``positions`` (fp32): [sin | cos], zero row at padding_idx."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, dtype=torch.float, device=positions.device) * -(math.log(10000) / (half - 1)))
+    angle = positions.float().unsqueeze(-1) * freq
+    emb = torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1)
+    if dim % 2 == 1:
+        emb = torch.cat([emb, emb.new_zeros(emb.shape[:-1] + (1,))], dim=-1)
+    return emb.masked_fill(positions.eq(padding_idx).unsqueeze(-1), 0.0)
+
+
+def embedding_forward_reference(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask):
+    x = weight[tokens].float() * scale
+    if pos_weight is None:
+        x = x + sinusoidal(positions, weight.shape[1], padding_idx).to(weight.dtype).float()
+    else:
+        x = x + pos_weight[positions].float()
+    x = x.masked_fill(tokens.eq(padding_idx).unsqueeze(-1), 0.0)
+    if p > 0 and mask is None:
+        mask = dispatch.dropout_mask(x.shape, p, x.device)
+    return dispatch.apply_dropout(x, mask, p).to(weight.dtype), mask
+
+
+def embedding_backward_reference(dout, tokens, positions, mask, scale, padding_idx, p, num_embeddings, num_positions):
+    # d table[t] = sum over (b, i) with tokens[b, i] = t != pad of scale * dropout'(dout)[b, i]
+    # d pos_table[q] likewise without the scale; accumulated in fp32
+    d = dispatch.apply_dropout(dout.float(), mask, p)
+    keep = tokens.ne(padding_idx).reshape(-1)
+    d = d.reshape(-1, d.shape[-1])[keep]
+    dweight = torch.zeros(num_embeddings, d.shape[-1], dtype=torch.float, device=d.device)
+    dweight.index_add_(0, tokens.reshape(-1)[keep], d * scale)
+    dpos = None
+    if num_positions > 0:
+        dpos = torch.zeros(num_positions, d.shape[-1], dtype=torch.float, device=d.device)
+        dpos.index_add_(0, positions.reshape(-1)[keep], d)
+        dpos = dpos.to(dout.dtype)
+    return dweight.to(dout.dtype), dpos
+
+
+class EmbeddingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens, positions, weight, pos_weight, scale, padding_idx, p, mask):
+        fwd, bwd = dispatch.implementation(
+            "embedding", weight, embedding_forward_reference, embedding_backward_reference
+        )
+        out, mask = fwd(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask)
+        ctx.bwd = bwd
+        ctx.args = (scale, padding_idx, p, weight.shape[0], 0 if pos_weight is None else pos_weight.shape[0])
+        ctx.save_for_backward(tokens, positions, mask)
+        return out, mask
+
+    @staticmethod
+    def backward(ctx, dout, _dmask):
+        tokens, positions, mask = ctx.saved_tensors
+        dweight, dpos = ctx.bwd(dout.contiguous(), tokens, positions, mask, *ctx.args)
+        return None, None, dweight, dpos, None, None, None, None
+
+
+def embedding(tokens, positions, weight, pos_weight, scale, padding_idx, p=0.0, training=True, mask=None):
+    """scale * weight[tokens] + positions' embedding, dropout ``p``; [B, T] -> [B, T, d]."""
+    if tokens.shape != positions.shape or tokens.dim() != 2:
+        raise ValueError(
+            "embedding: tokens {} and positions {} must both be [batch, len]".format(
+                tuple(tokens.shape), tuple(positions.shape)
+            )
+        )
+    if pos_weight is not None and padding_idx + tokens.shape[1] >= pos_weight.shape[0]:
+        raise ValueError(
+            "embedding: length {} exceeds the learned position table ({} rows); raise --max-source-positions/--max-target-positions".format(
+                tokens.shape[1], pos_weight.shape[0]
+            )
+        )
+    p = p if training else 0.0
+    out, _ = EmbeddingFunction.apply(
+        tokens.contiguous(), positions.contiguous(), weight, pos_weight, scale, padding_idx, p, mask if p > 0 else None
+    )
+    return out

@@ -1,0 +1,67 @@
+"""LayerNorm over the last dimension, one reduction pass (LightSeq2).
+
+Forward reduces sum(x - s) and sum((x - s)^2) together, with s = the row's
+first element as a shift: var = E[(x-s)^2] - E[x-s]^2 stays accurate when
+|mean| >> std (the cancellation guard), and the row is read once. eps is
+fairseq's 1e-5. Statistics (mean, rstd) are fp32; backward needs x, gamma and
+them, nothing else.
+"""
+import torch
+
+from ls_fairseq.ops import dispatch
+
+
+def layer_norm_forward_reference(x, weight, bias, eps):
+    xf = x.float()
+    shift = xf[..., :1]
+    d = xf - shift
+    m1 = d.mean(-1, keepdim=True)
+    m2 = (d * d).mean(-1, keepdim=True)
+    var = (m2 - m1 * m1).clamp_min(0.0)
+    mean = m1 + shift
+    rstd = torch.rsqrt(var + eps)
+    y = (xf - mean) * rstd * weight.float() + bias.float()
+    return y.to(x.dtype), mean.squeeze(-1), rstd.squeeze(-1)
+
+
+def layer_norm_backward_reference(dy, x, weight, mean, rstd):
+    # xhat = (x - mean) * rstd, g = dy * gamma
+    # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (both means in one pass)
+    # dgamma = sum_tokens dy * xhat, dbeta = sum_tokens dy
+    H = x.shape[-1]
+    dyf = dy.float().reshape(-1, H)
+    xhat = (x.float().reshape(-1, H) - mean.reshape(-1, 1)) * rstd.reshape(-1, 1)
+    g = dyf * weight.float()
+    dx = rstd.reshape(-1, 1) * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    dweight = (dyf * xhat).sum(0)
+    dbias = dyf.sum(0)
+    return dx.reshape(x.shape).to(x.dtype), dweight.to(weight.dtype), dbias.to(weight.dtype)
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        fwd, bwd = dispatch.implementation(
+            "layer_norm", x, layer_norm_forward_reference, layer_norm_backward_reference
+        )
+        x = x.contiguous()
+        y, mean, rstd = fwd(x, weight, bias, eps)
+        ctx.bwd = bwd
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dweight, dbias = ctx.bwd(dy.contiguous(), x, weight, mean, rstd)
+        return dx, dweight, dbias, None
+
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    if x.shape[-1] != weight.numel() or weight.shape != bias.shape:
+        raise ValueError(
+            "layer_norm: x's last dimension {} must equal weight {} and bias {}".format(
+                x.shape[-1], tuple(weight.shape), tuple(bias.shape)
+            )
+        )
+    return LayerNormFunction.apply(x, weight, bias, eps)

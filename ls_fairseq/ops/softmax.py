@@ -1,0 +1,73 @@
+"""Attention softmax with key-padding and causal masks, fused with dropout.
+
+scores [B, heads, Tq, Tk] -> probs (fp32 math, scores' dtype out). A key j is
+masked for query i when key_padding_mask[b, j] is set, or, with ``causal``,
+when j > i + (Tk - Tq). A row whose keys are all masked gives zeros (never
+NaN). Masks are never expanded to [B, heads, Tq, Tk] in memory. With dropout,
+the kept probabilities are written beside the undropped ones backward needs.
+"""
+import torch
+
+from ls_fairseq.ops import dispatch
+
+
+def _masked_scores(scores, key_padding_mask, causal):
+    s = scores.float()
+    Tq, Tk = s.shape[-2], s.shape[-1]
+    masked = torch.zeros((), dtype=torch.bool, device=s.device)
+    if key_padding_mask is not None:
+        masked = masked | key_padding_mask.bool()[:, None, None, :]
+    if causal:
+        i = torch.arange(Tq, device=s.device)[:, None]
+        j = torch.arange(Tk, device=s.device)[None, :]
+        masked = masked | (j > i + (Tk - Tq))
+    return s.masked_fill(masked, float("-inf"))
+
+
+def softmax_forward_reference(scores, key_padding_mask, causal, p, mask):
+    s = _masked_scores(scores, key_padding_mask, causal)
+    probs = torch.softmax(s, dim=-1).nan_to_num(0.0).to(scores.dtype)
+    if p > 0 and mask is None:
+        mask = dispatch.dropout_mask(scores.shape, p, scores.device)
+    out = dispatch.apply_dropout(probs.float(), mask, p).to(scores.dtype) if mask is not None else probs
+    return out, probs, mask
+
+
+def softmax_backward_reference(dout, probs, mask, p):
+    # with dp = dout * mask / (1 - p):  dscores = probs * (dp - sum_j(dp * probs))
+    dp = dispatch.apply_dropout(dout.float(), mask, p)
+    pf = probs.float()
+    ds = pf * (dp - (dp * pf).sum(-1, keepdim=True))
+    return ds.to(dout.dtype)
+
+
+class SoftmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, key_padding_mask, causal, p, mask):
+        fwd, bwd = dispatch.implementation("softmax", scores, softmax_forward_reference, softmax_backward_reference)
+        out, probs, mask = fwd(scores.contiguous(), key_padding_mask, causal, p, mask)
+        ctx.bwd, ctx.p = bwd, p
+        ctx.save_for_backward(probs, mask)
+        return out, mask
+
+    @staticmethod
+    def backward(ctx, dout, _dmask):
+        probs, mask = ctx.saved_tensors
+        return ctx.bwd(dout.contiguous(), probs, mask, ctx.p), None, None, None, None
+
+
+def softmax(scores, key_padding_mask=None, causal=False, p=0.0, training=True, mask=None):
+    """Masked softmax over the last dim of [B, heads, Tq, Tk] scores, then dropout."""
+    if scores.dim() != 4:
+        raise ValueError("softmax: scores must be [batch, heads, tgt_len, src_len], got {}".format(tuple(scores.shape)))
+    if key_padding_mask is not None and (
+        key_padding_mask.shape != (scores.shape[0], scores.shape[-1])
+    ):
+        raise ValueError(
+            "softmax: key_padding_mask {} must be [batch, src_len] = {}".format(
+                tuple(key_padding_mask.shape), (scores.shape[0], scores.shape[-1])
+            )
+        )
+    p = p if training else 0.0
+    out, _ = SoftmaxFunction.apply(scores, key_padding_mask, causal, p, mask if p > 0 else None)
+    return out
