@@ -8,6 +8,6 @@ weights_only loading (see ``ls_fairseq.checkpoint``).
 """
 from ls_fairseq import checkpoint, criterions, models, optim  # noqa: F401
 
-checkpoint.allow_fairseq_checkpoint_types()
+checkpoint.install()
 
 __version__ = "0.1.0"

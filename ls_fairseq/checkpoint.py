@@ -1,52 +1,65 @@
-"""Safe loading of fairseq checkpoints on torch >= 2.6.
+"""Safe, explicit loading of fairseq checkpoints on torch >= 2.6.
 
-torch.load defaults to weights_only=True there, and fairseq's checkpoints hold
-a few non-tensor types (argparse.Namespace, omegaconf containers, fairseq's
-logging meters, numpy scalars) that it refuses, so resume, fairseq-generate and
-fairseq-validate fail. This module allowlists exactly those types with
-``torch.serialization.add_safe_globals``; weights_only stays on, and a
-checkpoint that pickles any other type is still refused with torch's message
-naming that type.
+torch.load defaults to weights_only=True there, and fairseq's checkpoints
+pickle one non-tensor type, ``argparse.Namespace`` (the model's legacy
+configuration, and the whole configuration in older checkpoints), which it
+refuses: resume, fairseq-generate and fairseq-validate fail. This module
+allowlists exactly that type with ``torch.serialization.add_safe_globals``;
+weights_only stays on, and a checkpoint that pickles any other type is still
+refused.
+
+It also wraps fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` so that a
+refused, corrupt or truncated checkpoint fails with a message that names the
+file, the cause, and the other checkpoints beside it; the file is never
+modified (fairseq itself writes checkpoints to a temporary file and renames).
 """
 import argparse
-import collections
-import typing
+import functools
+import os
+import pickle
+import zipfile
 
-import numpy as np
 import torch
 
-
-def fairseq_checkpoint_types():
-    """The classes and functions that fairseq checkpoints pickle besides tensors."""
-    from fairseq.logging import meters
-    from omegaconf import DictConfig, ListConfig, base, nodes
-
-    types = [
-        argparse.Namespace,
-        collections.defaultdict,
-        collections.OrderedDict,
-        typing.Any,
-        DictConfig,
-        ListConfig,
-        base.ContainerMetadata,
-        base.Metadata,
-        nodes.AnyNode,
-        nodes.StringNode,
-        nodes.IntegerNode,
-        nodes.FloatNode,
-        nodes.BooleanNode,
-        nodes.EnumNode,
-        meters.AverageMeter,
-        meters.SumMeter,
-        meters.TimeMeter,
-        meters.StopwatchMeter,
-        meters.MetersDict,
-        np.dtype,
-        np.core.multiarray.scalar if hasattr(np, "core") else np._core.multiarray.scalar,
-    ]
-    types += [type(np.dtype(t)) for t in (np.float64, np.float32, np.int64, np.int32, np.bool_)]
-    return types
+FAIRSEQ_CHECKPOINT_TYPES = (argparse.Namespace,)
 
 
-def allow_fairseq_checkpoint_types():
-    torch.serialization.add_safe_globals(fairseq_checkpoint_types())
+class CheckpointLoadError(RuntimeError):
+    pass
+
+
+def _guarded(load):
+    @functools.wraps(load)
+    def load_checkpoint_to_cpu(path, *args, **kwargs):
+        try:
+            return load(path, *args, **kwargs)
+        except pickle.UnpicklingError as e:
+            raise CheckpointLoadError(
+                "{}: refused by torch's weights_only loading: {}. ls_fairseq allows only the types that "
+                "fairseq checkpoints hold ({}).".format(
+                    path, str(e).strip().splitlines()[0], ", ".join(t.__module__ + "." + t.__name__ for t in FAIRSEQ_CHECKPOINT_TYPES)
+                )
+            ) from e
+        except (RuntimeError, OSError, EOFError, zipfile.BadZipFile) as e:
+            if not os.path.isfile(path):
+                raise
+            folder = os.path.dirname(os.path.abspath(path))
+            others = sorted(f for f in os.listdir(folder) if f.endswith(".pt") and f != os.path.basename(path))
+            raise CheckpointLoadError(
+                "checkpoint {} is corrupt or truncated ({}: {}); it was left as it is. Other checkpoints in {}: {}. "
+                "Resume from one of them with --restore-file, or move the damaged file away.".format(
+                    path, type(e).__name__, e, folder, ", ".join(others) or "none"
+                )
+            ) from e
+
+    load_checkpoint_to_cpu.ls_fairseq_guarded = True
+    return load_checkpoint_to_cpu
+
+
+def install():
+    """Allowlist fairseq's checkpoint types and guard fairseq's checkpoint loading (idempotent)."""
+    torch.serialization.add_safe_globals(list(FAIRSEQ_CHECKPOINT_TYPES))
+    from fairseq import checkpoint_utils
+
+    if not getattr(checkpoint_utils.load_checkpoint_to_cpu, "ls_fairseq_guarded", False):
+        checkpoint_utils.load_checkpoint_to_cpu = _guarded(checkpoint_utils.load_checkpoint_to_cpu)

@@ -41,14 +41,14 @@ def _act_grad(h, activation):
 def bias_act_dropout_forward_reference(x, bias, activation, p, mask):
     if p > 0 and mask is None:
         mask = dispatch.dropout_mask(x.shape, p, x.device)
-    y = dispatch.apply_dropout(_act(x.float() + bias.float(), activation), mask, p)
+    y = dispatch.apply_dropout(_act(dispatch.upcast(x) + dispatch.upcast(bias), activation), mask, p)
     return y.to(x.dtype), mask
 
 
 def bias_act_dropout_backward_reference(dout, x, bias, mask, activation, p):
     # dh = dout * mask / (1 - p) * act'(x + bias); dx = dh; dbias = sum over tokens of dh
-    h = x.float() + bias.float()
-    dh = dispatch.apply_dropout(dout.float(), mask, p) * _act_grad(h, activation)
+    h = dispatch.upcast(x) + dispatch.upcast(bias)
+    dh = dispatch.apply_dropout(dispatch.upcast(dout), mask, p) * _act_grad(h, activation)
     dbias = dh.reshape(-1, dh.shape[-1]).sum(0)
     return dh.to(x.dtype), dbias.to(x.dtype)
 

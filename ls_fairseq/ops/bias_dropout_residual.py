@@ -11,13 +11,13 @@ from ls_fairseq.ops import dispatch
 def bias_dropout_residual_forward_reference(x, bias, residual, p, mask):
     if p > 0 and mask is None:
         mask = dispatch.dropout_mask(x.shape, p, x.device)
-    y = dispatch.apply_dropout(x.float() + bias.float(), mask, p) + residual.float()
+    y = dispatch.apply_dropout(dispatch.upcast(x) + dispatch.upcast(bias), mask, p) + dispatch.upcast(residual)
     return y.to(x.dtype), mask
 
 
 def bias_dropout_residual_backward_reference(dout, mask, p):
     # d residual = dout; d x = dout * mask / (1 - p); d bias = sum over tokens of d x
-    dx = dispatch.apply_dropout(dout.float(), mask, p)
+    dx = dispatch.apply_dropout(dispatch.upcast(dout), mask, p)
     dbias = dx.reshape(-1, dx.shape[-1]).sum(0)
     return dx.to(dout.dtype), dbias.to(dout.dtype)
 

@@ -14,7 +14,7 @@ from ls_fairseq.ops import dispatch
 
 
 def cross_entropy_forward_reference(logits, target, epsilon, padding_idx):
-    x = logits.float()
+    x = dispatch.upcast(logits)
     V = x.shape[-1]
     eps_i = epsilon / (V - 1)
     lse = torch.logsumexp(x, dim=-1)
@@ -31,10 +31,10 @@ def cross_entropy_backward_reference(dloss, dnll, logits, target, lse, epsilon, 
     # d nll / d logit_j = p_j - [j = target]; rows with target == padding_idx get 0
     V = logits.shape[-1]
     eps_i = epsilon / (V - 1)
-    prob = torch.exp(logits.float() - lse.unsqueeze(-1))
+    prob = torch.exp(dispatch.upcast(logits) - lse.unsqueeze(-1))
     onehot = torch.zeros_like(prob).scatter_(-1, target.unsqueeze(-1), 1.0)
-    live = target.ne(padding_idx).float().unsqueeze(-1)
-    g_loss, g_nll = dloss.float().unsqueeze(-1) * live, dnll.float().unsqueeze(-1) * live
+    live = target.ne(padding_idx).to(prob.dtype).unsqueeze(-1)
+    g_loss, g_nll = dispatch.upcast(dloss).unsqueeze(-1) * live, dispatch.upcast(dnll).unsqueeze(-1) * live
     grad = g_loss * (prob - eps_i - (1.0 - epsilon - eps_i) * onehot) + g_nll * (prob - onehot)
     return grad.to(logits.dtype)
 

@@ -96,6 +96,12 @@ def implementation(op, tensor, reference_forward, reference_backward):
     return reference_forward, reference_backward
 
 
+def upcast(t):
+    """The math dtype of the references: fp32 for fp16/bf16/fp32 storage, fp64 stays fp64
+    (so that references can be checked against independent formulations in fp64)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def dropout_mask(shape, p, device):
     """A keep-mask (uint8, 1 = keep) drawn from torch's generator, so ``--seed``
     fixes it. Kernels draw theirs from the same generator's Philox state."""

@@ -24,7 +24,7 @@ def sinusoidal(positions, dim, padding_idx):
     """fairseq's sinusoidal embedding of ``positions`` (fp32): [sin | cos], zero row at padding_idx."""
     half = dim // 2
     freq = torch.exp(torch.arange(half, dtype=torch.float, device=positions.device) * -(math.log(10000) / (half - 1)))
-    angle = positions.float().unsqueeze(-1) * freq
+    angle = dispatch.upcast(positions).unsqueeze(-1) * freq
     emb = torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1)
     if dim % 2 == 1:
         emb = torch.cat([emb, emb.new_zeros(emb.shape[:-1] + (1,))], dim=-1)
@@ -32,11 +32,11 @@ def sinusoidal(positions, dim, padding_idx):
 
 
 def embedding_forward_reference(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask):
-    x = weight[tokens].float() * scale
+    x = dispatch.upcast(weight[tokens]) * scale
     if pos_weight is None:
-        x = x + sinusoidal(positions, weight.shape[1], padding_idx).to(weight.dtype).float()
+        x = x + dispatch.upcast(sinusoidal(positions, weight.shape[1], padding_idx).to(weight.dtype))
     else:
-        x = x + pos_weight[positions].float()
+        x = x + dispatch.upcast(pos_weight[positions])
     x = x.masked_fill(tokens.eq(padding_idx).unsqueeze(-1), 0.0)
     if p > 0 and mask is None:
         mask = dispatch.dropout_mask(x.shape, p, x.device)
@@ -46,14 +46,14 @@ def embedding_forward_reference(tokens, positions, weight, pos_weight, scale, pa
 def embedding_backward_reference(dout, tokens, positions, mask, scale, padding_idx, p, num_embeddings, num_positions):
     # d table[t] = sum over (b, i) with tokens[b, i] = t != pad of scale * dropout'(dout)[b, i]
     # d pos_table[q] likewise without the scale; accumulated in fp32
-    d = dispatch.apply_dropout(dout.float(), mask, p)
+    d = dispatch.apply_dropout(dispatch.upcast(dout), mask, p)
     keep = tokens.ne(padding_idx).reshape(-1)
     d = d.reshape(-1, d.shape[-1])[keep]
-    dweight = torch.zeros(num_embeddings, d.shape[-1], dtype=torch.float, device=d.device)
+    dweight = torch.zeros(num_embeddings, d.shape[-1], dtype=d.dtype, device=d.device)
     dweight.index_add_(0, tokens.reshape(-1)[keep], d * scale)
     dpos = None
     if num_positions > 0:
-        dpos = torch.zeros(num_positions, d.shape[-1], dtype=torch.float, device=d.device)
+        dpos = torch.zeros(num_positions, d.shape[-1], dtype=d.dtype, device=d.device)
         dpos.index_add_(0, positions.reshape(-1)[keep], d)
         dpos = dpos.to(dout.dtype)
     return dweight.to(dout.dtype), dpos

@@ -12,7 +12,7 @@ from ls_fairseq.ops import dispatch
 
 
 def layer_norm_forward_reference(x, weight, bias, eps):
-    xf = x.float()
+    xf = dispatch.upcast(x)
     shift = xf[..., :1]
     d = xf - shift
     m1 = d.mean(-1, keepdim=True)
@@ -20,7 +20,7 @@ def layer_norm_forward_reference(x, weight, bias, eps):
     var = (m2 - m1 * m1).clamp_min(0.0)
     mean = m1 + shift
     rstd = torch.rsqrt(var + eps)
-    y = (xf - mean) * rstd * weight.float() + bias.float()
+    y = (xf - mean) * rstd * dispatch.upcast(weight) + dispatch.upcast(bias)
     return y.to(x.dtype), mean.squeeze(-1), rstd.squeeze(-1)
 
 
@@ -29,9 +29,9 @@ def layer_norm_backward_reference(dy, x, weight, mean, rstd):
     # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (both means in one pass)
     # dgamma = sum_tokens dy * xhat, dbeta = sum_tokens dy
     H = x.shape[-1]
-    dyf = dy.float().reshape(-1, H)
-    xhat = (x.float().reshape(-1, H) - mean.reshape(-1, 1)) * rstd.reshape(-1, 1)
-    g = dyf * weight.float()
+    dyf = dispatch.upcast(dy).reshape(-1, H)
+    xhat = (dispatch.upcast(x).reshape(-1, H) - mean.reshape(-1, 1)) * rstd.reshape(-1, 1)
+    g = dyf * dispatch.upcast(weight)
     dx = rstd.reshape(-1, 1) * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
     dweight = (dyf * xhat).sum(0)
     dbias = dyf.sum(0)

@@ -16,7 +16,7 @@ from ls_fairseq.ops import dispatch
 def qkv_forward_reference(x, bias, num_heads, num_parts, first_scale):
     B, T, C = x.shape
     d = C // num_parts
-    y = (x.float() + bias.float()).view(B, T, num_parts, num_heads, d // num_heads)
+    y = (dispatch.upcast(x) + dispatch.upcast(bias)).view(B, T, num_parts, num_heads, d // num_heads)
     y = y.permute(2, 0, 3, 1, 4)
     scale = torch.ones(num_parts, 1, 1, 1, 1, device=x.device)
     scale[0] = first_scale
@@ -28,7 +28,7 @@ def qkv_backward_reference(dy, first_scale):
     P, B, H, T, D = dy.shape
     scale = torch.ones(P, 1, 1, 1, 1, device=dy.device)
     scale[0] = first_scale
-    dx = (dy.float() * scale).permute(1, 3, 0, 2, 4).reshape(B, T, P * H * D)
+    dx = (dispatch.upcast(dy) * scale).permute(1, 3, 0, 2, 4).reshape(B, T, P * H * D)
     return dx.to(dy.dtype), dx.reshape(-1, P * H * D).sum(0).to(dy.dtype)
 
 

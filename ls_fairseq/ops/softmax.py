@@ -12,7 +12,7 @@ from ls_fairseq.ops import dispatch
 
 
 def _masked_scores(scores, key_padding_mask, causal):
-    s = scores.float()
+    s = dispatch.upcast(scores)
     Tq, Tk = s.shape[-2], s.shape[-1]
     masked = torch.zeros((), dtype=torch.bool, device=s.device)
     if key_padding_mask is not None:
@@ -29,14 +29,14 @@ def softmax_forward_reference(scores, key_padding_mask, causal, p, mask):
     probs = torch.softmax(s, dim=-1).nan_to_num(0.0).to(scores.dtype)
     if p > 0 and mask is None:
         mask = dispatch.dropout_mask(scores.shape, p, scores.device)
-    out = dispatch.apply_dropout(probs.float(), mask, p).to(scores.dtype) if mask is not None else probs
+    out = dispatch.apply_dropout(dispatch.upcast(probs), mask, p).to(scores.dtype) if mask is not None else probs
     return out, probs, mask
 
 
 def softmax_backward_reference(dout, probs, mask, p):
     # with dp = dout * mask / (1 - p):  dscores = probs * (dp - sum_j(dp * probs))
-    dp = dispatch.apply_dropout(dout.float(), mask, p)
-    pf = probs.float()
+    dp = dispatch.apply_dropout(dispatch.upcast(dout), mask, p)
+    pf = dispatch.upcast(probs)
     ds = pf * (dp - (dp * pf).sum(-1, keepdim=True))
     return ds.to(dout.dtype)
 

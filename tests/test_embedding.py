@@ -1,0 +1,67 @@
+import pytest
+import torch
+from fairseq import utils
+from fairseq.modules import PositionalEmbedding
+from helpers import assert_close, grads, keep_mask
+
+from ls_fairseq import ops
+
+PAD = 1
+
+
+def tokens_with_padding(B, T, V, left_pad):
+    tokens = torch.randint(PAD + 1, V, (B, T))
+    for b in range(1, B):
+        n = min(T - 1, 2 * b)
+        if left_pad:
+            tokens[b, :n] = PAD
+        else:
+            tokens[b, T - n :] = PAD
+    return tokens
+
+
+@pytest.mark.parametrize("learned", [False, True])
+@pytest.mark.parametrize("left_pad", [False, True])
+@pytest.mark.parametrize("B,T,V,D", [(1, 1, 5, 4), (3, 7, 11, 8), (2, 33, 50, 15)])
+def test_matches_fairseq_modules(learned, left_pad, B, T, V, D):
+    tokens = tokens_with_padding(B, T, V, left_pad)
+    table = torch.nn.Embedding(V, D, padding_idx=PAD).double()
+    pos = PositionalEmbedding(64, D, PAD, learned=learned).double()
+    scale = D**0.5
+    positions = ops.make_positions(tokens, PAD)
+    assert torch.equal(positions, utils.make_positions(tokens, PAD))
+    out = ops.embedding(tokens, positions, table.weight, pos.weight if learned else None, scale, PAD)
+    ref = (scale * table(tokens) + pos(tokens)).masked_fill(tokens.eq(PAD).unsqueeze(-1), 0)
+    assert_close(out, ref, rtol=1e-6, atol=1e-6, what="embedding")  # fairseq's sinusoids are fp32
+    params = [table.weight] + ([pos.weight] if learned else [])
+    dout = torch.randn_like(out)
+    ours = grads(out, params, dout)
+    for g, r in zip(ours, grads(ref, params, dout)):
+        assert_close(g, r, what="table gradient")
+    assert torch.equal(ours[0][PAD], torch.zeros(D, dtype=torch.float64))
+
+
+def test_dropout_uses_the_given_mask():
+    tokens = tokens_with_padding(2, 5, 9, True)
+    w = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+    positions = ops.make_positions(tokens, PAD)
+    mask = keep_mask((2, 5, 6), 0.3)
+    out = ops.embedding(tokens, positions, w, None, 2.0, PAD, 0.3, True, mask)
+    plain = ops.embedding(tokens, positions, w, None, 2.0, PAD)
+    assert_close(out, plain * mask.double() / 0.7)
+    dout = torch.randn_like(out)
+    assert_close(grads(out, w, dout)[0], grads(plain, w, dout * mask.double() / 0.7)[0])
+
+
+def test_gradcheck_learned():
+    tokens = tokens_with_padding(2, 4, 7, False)
+    w = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    pw = torch.randn(10, 3, dtype=torch.float64, requires_grad=True)
+    pos = ops.make_positions(tokens, PAD)
+    assert torch.autograd.gradcheck(lambda w, pw: ops.embedding(tokens, pos, w, pw, 1.5, PAD), (w, pw))
+
+
+def test_too_long_for_learned_positions_is_an_error():
+    tokens = torch.full((1, 9), 4)
+    with pytest.raises(ValueError, match="max-source-positions"):
+        ops.embedding(tokens, ops.make_positions(tokens, PAD), torch.randn(5, 2), torch.randn(8, 2), 1.0, PAD)

@@ -1,0 +1,37 @@
+import pytest
+import torch
+from helpers import assert_close, grads
+
+from ls_fairseq import ops
+
+
+@pytest.mark.parametrize("B,T,H,D,parts", [(1, 1, 1, 4, 3), (2, 7, 4, 8, 3), (3, 5, 2, 6, 1), (2, 3, 2, 4, 4)])
+def test_split_heads_matches_view_permute(B, T, H, D, parts):
+    x = torch.randn(B, T, parts * H * D, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(parts * H * D, dtype=torch.float64, requires_grad=True)
+    out = ops.split_heads(x, bias, H, parts, 0.125)
+    ref = [(c.view(B, T, H, D).transpose(1, 2)) for c in (x + bias).chunk(parts, dim=-1)]
+    ref[0] = ref[0] * 0.125
+    assert len(out) == parts
+    ups = [torch.randn_like(o) for o in out]
+    for o, r in zip(out, ref):
+        assert_close(o, r)
+    for g, r in zip(grads(out, (x, bias), ups), grads(ref, (x, bias), ups)):
+        assert_close(g, r)
+
+
+def test_merge_heads_inverts_split():
+    x = torch.randn(2, 5, 3 * 12, dtype=torch.float64)
+    q, k, v = ops.split_heads(x, torch.zeros(36, dtype=torch.float64), 4, 3)
+    assert torch.equal(ops.merge_heads(k), x[..., 12:24])
+
+
+def test_gradcheck():
+    x = torch.randn(2, 3, 12, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(12, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, b: ops.split_heads(x, b, 2, 3, 0.5), (x, b))
+
+
+def test_indivisible_width_is_an_error():
+    with pytest.raises(ValueError, match="divisible by heads"):
+        ops.split_heads(torch.randn(1, 2, 30), torch.zeros(30), 4, 3)

@@ -1,0 +1,69 @@
+import pytest
+import torch
+from helpers import assert_close, grads, keep_mask
+
+from ls_fairseq import ops
+
+
+def independent_softmax(scores, key_padding_mask, causal, p, mask):
+    """Masks as an additive -inf bias on a materialised [Tq, Tk] grid, then dropout by multiplication."""
+    B, H, Tq, Tk = scores.shape
+    bias = torch.zeros(B, 1, Tq, Tk, dtype=scores.dtype)
+    if key_padding_mask is not None:
+        bias = bias.masked_fill(key_padding_mask.bool().view(B, 1, 1, Tk), float("-inf"))
+    if causal:
+        bias = bias + torch.triu(torch.full((Tq, Tk), float("-inf"), dtype=scores.dtype), diagonal=1 + Tk - Tq)
+    probs = torch.softmax(scores + bias, dim=-1)
+    probs = torch.where(torch.isnan(probs), torch.zeros_like(probs), probs)
+    if mask is not None:
+        probs = probs * mask.to(probs.dtype) / (1 - p)
+    return probs
+
+
+def padding(B, T, lengths):
+    return torch.arange(T)[None, :] >= torch.tensor(lengths)[:, None]
+
+
+@pytest.mark.parametrize("B,H,Tq,Tk", [(1, 1, 1, 1), (2, 3, 7, 7), (3, 2, 33, 33), (2, 2, 5, 9), (1, 4, 1, 257)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_matches_independent_formulation(B, H, Tq, Tk, causal, p):
+    scores = (torch.randn(B, H, Tq, Tk, dtype=torch.float64) * 4).requires_grad_()
+    kpm = padding(B, Tk, [max(1, Tk - 3 * i) for i in range(B)]) if not causal else None
+    mask = keep_mask(scores.shape, p) if p > 0 else None
+    out = ops.softmax(scores, kpm, causal, p, True, mask)
+    ref = independent_softmax(scores, kpm, causal, p, mask)
+    assert_close(out, ref, what="probs")
+    dout = torch.randn_like(out)
+    assert_close(grads(out, scores, dout)[0], grads(ref, scores, dout)[0], rtol=1e-9, atol=1e-9, what="dscores")
+
+
+def test_fully_masked_row_is_zero_not_nan():
+    scores = torch.randn(1, 1, 2, 3, dtype=torch.float64, requires_grad=True)
+    kpm = torch.tensor([[True, True, True]])
+    out = ops.softmax(scores, kpm)
+    assert torch.equal(out, torch.zeros_like(out))
+    (g,) = grads(out, scores, torch.ones_like(out))
+    assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_dropout_draws_a_mask_from_torch_generator():
+    scores = torch.randn(2, 2, 4, 6)
+    torch.manual_seed(7)
+    a = ops.softmax(scores, p=0.5)
+    torch.manual_seed(7)
+    b = ops.softmax(scores, p=0.5)
+    assert torch.equal(a, b)
+    assert (a == 0).any() and (a > 0).any()
+    assert torch.equal(ops.softmax(scores, p=0.5, training=False), ops.softmax(scores))
+
+
+def test_gradcheck():
+    scores = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)
+    kpm = torch.tensor([[False, False, True, False]])
+    assert torch.autograd.gradcheck(lambda s: ops.softmax(s, kpm, True), (scores,))
+
+
+def test_bad_mask_shape_is_named():
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        ops.softmax(torch.randn(2, 1, 3, 4), torch.zeros(2, 3, dtype=torch.bool))
