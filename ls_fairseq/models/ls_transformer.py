@@ -232,7 +232,10 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
         cache = self.get_incremental_state(incremental_state, "cache")
         if cache is None:
             return
-        cache["encoder_kv"] = cache["encoder_kv"].index_select(1, new_order)
+        # the encoder's keys/values differ only between sentences: a reorder that keeps the
+        # batch size permutes beams of one sentence and leaves them valid (as fairseq's does)
+        if cache["encoder_kv"].shape[1] != new_order.numel():
+            cache["encoder_kv"] = cache["encoder_kv"].index_select(1, new_order)
         for key, value in cache.items():
             if key.startswith("layer"):
                 for name in value:
