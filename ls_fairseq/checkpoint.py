@@ -17,6 +17,7 @@ import argparse
 import functools
 import os
 import pickle
+import re
 import zipfile
 
 import torch
@@ -34,10 +35,13 @@ def _guarded(load):
         try:
             return load(path, *args, **kwargs)
         except pickle.UnpicklingError as e:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
             raise CheckpointLoadError(
-                "{}: refused by torch's weights_only loading: {}. ls_fairseq allows only the types that "
-                "fairseq checkpoints hold ({}).".format(
-                    path, str(e).strip().splitlines()[0], ", ".join(t.__module__ + "." + t.__name__ for t in FAIRSEQ_CHECKPOINT_TYPES)
+                "{}: refused by torch's weights_only loading: it pickles {}, which is not a type that fairseq "
+                "checkpoints hold (allowed: {})".format(
+                    path,
+                    found.group(1) if found else "a type outside the allowlist ({})".format(str(e).splitlines()[-1]),
+                    ", ".join(t.__module__ + "." + t.__name__ for t in FAIRSEQ_CHECKPOINT_TYPES),
                 )
             ) from e
         except (RuntimeError, OSError, EOFError, zipfile.BadZipFile) as e:

@@ -1,0 +1,125 @@
+"""End to end through fairseq's command-line tools with --user-dir, on CPU."""
+import re
+
+import pytest
+import torch
+from conftest import USER_DIR, bin_path, run
+
+import ls_fairseq  # noqa: F401 (allowlists the checkpoint types for torch.load below)
+
+pytestmark = pytest.mark.slow
+
+TRAIN = [
+    "--arch", "ls_transformer_tiny", "--share-all-embeddings",
+    "--criterion", "ls_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+    "--optimizer", "ls_adam", "--adam-betas", "(0.9,0.98)", "--lr", "1e-3",
+    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10", "--clip-norm", "1.0",
+    "--max-tokens", "1024", "--cpu", "--num-workers", "0", "--no-progress-bar", "--log-interval", "5",
+    "--seed", "3",
+]
+
+
+def train(data_bin, save_dir, *extra, user_dir=True):
+    cmd = [bin_path("fairseq-train"), str(data_bin / "data-bin")] + (["--user-dir", USER_DIR] if user_dir else [])
+    proc = run(cmd + TRAIN + ["--save-dir", str(save_dir)] + list(extra))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def generate(data_bin, checkpoint, user_dir=True):
+    cmd = [bin_path("fairseq-generate"), str(data_bin / "data-bin"), "--path", str(checkpoint), "--cpu",
+           "--beam", "4", "--max-len-b", "30", "--batch-size", "64", "--remove-bpe", "sentencepiece"]
+    proc = run(cmd + (["--user-dir", USER_DIR] if user_dir else []))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def hypotheses(output):
+    return sorted(line.split("\t")[0] + "\t" + line.split("\t")[2] for line in output.splitlines() if line.startswith("H-"))
+
+
+def updates(log):
+    return [int(n) for n in re.findall(r"num_updates[ =](\d+)", log)]
+
+
+def test_train_save_resume_generate_and_convert(data_bin, tmp_path):
+    save = tmp_path / "ckpt"
+    log = train(data_bin, save, "--max-update", "12", "--memory-efficient-fp16")
+    assert (save / "checkpoint_last.pt").is_file()
+    assert max(updates(log)) == 12
+    log = train(data_bin, save, "--max-update", "20", "--memory-efficient-fp16")
+    assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 12 updates\)", log), log[-2000:]
+    assert min(updates(log)) > 12 and max(updates(log)) == 20
+
+    out = generate(data_bin, save / "checkpoint_last.pt")
+    assert re.search(r"BLEU4? = \d+\.\d+", out), out[-2000:]
+
+    stock = tmp_path / "stock.pt"
+    proc = run([bin_path("python"), "-m", "ls_fairseq.convert", "to-fairseq", str(save / "checkpoint_last.pt"), str(stock)])
+    assert proc.returncode == 0, proc.stderr
+    assert "optimizer state is dropped" in proc.stderr
+    stock_out = generate(data_bin, stock, user_dir=False)  # no plugin: stock fairseq alone
+    assert hypotheses(stock_out) == hypotheses(out) and len(hypotheses(out)) == 200
+
+    back = tmp_path / "back.pt"
+    again = tmp_path / "again.pt"
+    assert run([bin_path("python"), "-m", "ls_fairseq.convert", "from-fairseq", str(stock), str(back)]).returncode == 0
+    assert run([bin_path("python"), "-m", "ls_fairseq.convert", "to-fairseq", str(back), str(again)]).returncode == 0
+    s1, s2 = torch.load(stock, weights_only=True), torch.load(again, weights_only=True)
+    assert s1["cfg"] == s2["cfg"]
+    assert set(s1["model"]) == set(s2["model"]) and all(torch.equal(s1["model"][k], s2["model"][k]) for k in s1["model"])
+    ls_orig, ls_back = torch.load(save / "checkpoint_last.pt", weights_only=True), torch.load(back, weights_only=True)
+    assert set(ls_orig["model"]) == set(ls_back["model"])
+    assert all(torch.equal(ls_orig["model"][k], ls_back["model"][k]) for k in ls_orig["model"])
+
+
+def test_fine_tune_a_stock_model_with_the_plugin(data_bin, tmp_path):
+    stock_dir = tmp_path / "stock"
+    stock_args = ["--arch", "transformer_tiny", "--share-all-embeddings", "--criterion", "label_smoothed_cross_entropy",
+                  "--optimizer", "adam", "--max-update", "6"]
+    cmd = [bin_path("fairseq-train"), str(data_bin / "data-bin"), "--save-dir", str(stock_dir), "--cpu",
+           "--max-tokens", "1024", "--num-workers", "0", "--no-progress-bar", "--lr", "1e-3"] + stock_args
+    proc = run(cmd)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ls_ckpt = tmp_path / "ls.pt"
+    assert run([bin_path("python"), "-m", "ls_fairseq.convert", "from-fairseq", str(stock_dir / "checkpoint_last.pt"),
+                str(ls_ckpt)]).returncode == 0
+    log = train(data_bin, tmp_path / "ft", "--max-update", "10", "--restore-file", str(ls_ckpt), "--reset-optimizer",
+                "--reset-dataloader", "--reset-meters")
+    assert "Loaded checkpoint" in log and max(updates(log)) == 10
+
+
+def test_corrupt_checkpoint_on_resume_is_named_and_nothing_is_lost(data_bin, tmp_path):
+    save = tmp_path / "ckpt"
+    train(data_bin, save, "--max-update", "4")
+    good = (save / "checkpoint_best.pt").read_bytes()
+    last = save / "checkpoint_last.pt"
+    last.write_bytes(last.read_bytes()[: len(good) // 3])
+    cmd = [bin_path("fairseq-train"), str(data_bin / "data-bin"), "--user-dir", USER_DIR, "--save-dir", str(save)]
+    proc = run(cmd + TRAIN + ["--max-update", "8"])
+    assert proc.returncode != 0
+    assert "checkpoint_last.pt is corrupt or truncated" in proc.stderr and "checkpoint_best.pt" in proc.stderr
+    assert (save / "checkpoint_best.pt").read_bytes() == good
+    log = train(data_bin, save, "--max-update", "8", "--restore-file", str(save / "checkpoint_best.pt"))
+    assert "Loaded checkpoint" in log
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--activation-fn", "swish"], "invalid choice: 'swish'"),
+        (["--encoder-embed-dim", "30", "--decoder-embed-dim", "30", "--encoder-attention-heads", "4"],
+         "--encoder-embed-dim 30 is not divisible by --encoder-attention-heads 4"),
+    ],
+)
+def test_bad_options_fail_clearly(data_bin, tmp_path, args, message):
+    cmd = [bin_path("fairseq-train"), str(data_bin / "data-bin"), "--user-dir", USER_DIR, "--save-dir", str(tmp_path)]
+    proc = run(cmd + TRAIN + ["--max-update", "1"] + args)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_missing_data_dir_fails_clearly(tmp_path):
+    missing = str(tmp_path / "no-such-data")
+    proc = run([bin_path("fairseq-train"), missing, "--user-dir", USER_DIR, "--save-dir", str(tmp_path)] + TRAIN)
+    assert proc.returncode != 0 and missing in proc.stderr
+    assert not list(tmp_path.glob("*.pt"))
