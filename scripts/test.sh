@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The test command: set up .venv (scripts/setup_env.sh), then
+#   1. compile every CUDA source with plain nvcc -c (when nvcc is on PATH), so a
+#      kernel that does not compile fails even on a machine without a GPU;
+#   2. bash -n and shellcheck on every shell script;
+#   3. pytest (GPU-marked tests are skipped without a GPU).
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup_env.sh
+# shellcheck disable=SC1091
+source .venv/bin/activate
+
+if command -v nvcc > /dev/null && compgen -G "ls_fairseq/csrc/*.cu" > /dev/null; then
+  obj=$(mktemp -d)
+  for cu in ls_fairseq/csrc/*.cu; do
+    nvcc -c -std=c++17 -O1 --expt-relaxed-constexpr -arch=sm_90 -Ils_fairseq/csrc "$cu" -o "$obj/$(basename "$cu").o" \
+      || { echo "test: $cu does not compile" >&2; exit 1; }
+  done
+  echo "test: every CUDA source compiles with nvcc ($(find "$obj" -name '*.o' | wc -l) files)"
+  rm -rf "$obj"
+else
+  echo "test: nvcc not found or no CUDA sources; CUDA compile check skipped"
+fi
+
+mapfile -t shell_scripts < <(git ls-files '*.sh' .ci/run 2>/dev/null || find . -name '*.sh' -not -path './.venv/*')
+for s in "${shell_scripts[@]}"; do bash -n "$s"; done
+shellcheck "${shell_scripts[@]}"
+echo "test: bash -n and shellcheck pass on ${#shell_scripts[@]} shell scripts"
+
+python -m pytest -q -p no:cacheprovider "$@" tests

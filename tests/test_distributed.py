@@ -1,0 +1,58 @@
+"""ls_adam's all-reduce over the gradient workspace, two CPU processes over gloo.
+
+fairseq's own CPU distributed mode does not start workers, so torch.distributed
+drives the plugin directly, as fairseq's trainer does under --ddp-backend legacy_ddp:
+backward, optimizer.all_reduce_grads(model), step.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ls_fairseq.optim.ls_adam import LSAdam, LSAdamConfig
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 5))
+    return model, LSAdam(LSAdamConfig(adam_betas="(0.9, 0.98)", weight_decay=0.01, lr=[1e-2]), list(model.parameters()))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 9, generator=g), torch.randn(8, 5, generator=g)
+
+
+def loss_of(model, x, y):
+    return ((model(x) - y) ** 2).sum()
+
+
+def worker(rank, init_file, out):
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=2)
+    model, opt = model_and_optimizer()
+    for step in range(5):
+        x, y = batch(step)
+        half = slice(4 * rank, 4 * rank + 4)
+        opt.zero_grad()
+        loss_of(model, x[half], y[half]).backward()
+        opt.all_reduce_grads(model)
+        opt.all_reduce_grads(model)  # a second call in the same step (criterion with parameters) is a no-op
+        opt.step()
+    torch.save([p.detach().clone() for p in model.parameters()], "{}.{}".format(out, rank))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_end_identical_and_equal_one_process_on_the_whole_batch(tmp_path):
+    out = str(tmp_path / "params")
+    mp.spawn(worker, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
+    rank0, rank1 = torch.load(out + ".0"), torch.load(out + ".1")
+    for a, b in zip(rank0, rank1):
+        assert torch.equal(a, b)
+    model, opt = model_and_optimizer()
+    for step in range(5):
+        x, y = batch(step)
+        opt.zero_grad()
+        (0.5 * loss_of(model, x, y)).backward()  # the all-reduce averages over the two workers
+        opt.step()
+    for a, b in zip(rank0, model.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
