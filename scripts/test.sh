@@ -14,7 +14,7 @@ source .venv/bin/activate
 if command -v nvcc > /dev/null && compgen -G "ls_fairseq/csrc/*.cu" > /dev/null; then
   obj=$(mktemp -d)
   for cu in ls_fairseq/csrc/*.cu; do
-    nvcc -c -std=c++17 -O1 --expt-relaxed-constexpr -arch=sm_90 -Ils_fairseq/csrc "$cu" -o "$obj/$(basename "$cu").o" \
+    nvcc -c -std=c++20 -O1 --expt-relaxed-constexpr -arch=sm_90 -Ils_fairseq/csrc "$cu" -o "$obj/$(basename "$cu").o" \
       || { echo "test: $cu does not compile" >&2; exit 1; }
   done
   echo "test: every CUDA source compiles with nvcc ($(find "$obj" -name '*.o' | wc -l) files)"

@@ -1,0 +1,100 @@
+// adam: one update of the whole parameter workspace (LightSeq2's workspace
+// optimizer), and the global gradient norm that clipping and overflow checks need.
+// adam_step fuses: loss-scale division (grad_scale, optionally times a device
+// scalar so the host never reads it), L2 or decoupled weight decay, both moment
+// updates, bias correction (step_size from the host's step count), and the
+// write-back to fp16/bf16 parameters and/or the fp32 master copy. Math in fp32.
+// A non-zero device noop flag (an overflow found by grad_norm's caller) turns
+// the step into a no-op without a host synchronisation. Any length: a 16-byte
+// vector body and a scalar tail, nothing read past the end.
+// grad_norm: sum of squares in fixed-size blocks, then one block adds the
+// partials in order (deterministic); inf/NaN propagate into the result.
+#include "common.cuh"
+
+namespace ls {
+
+__device__ __forceinline__ void adam_one(float& p, float g, float& m, float& v, const AdamArgs& a, float gs) {
+  g *= gs;
+  if (!a.decoupled) g += a.weight_decay * p;
+  m = a.beta1 * m + (1.f - a.beta1) * g;
+  v = a.beta2 * v + (1.f - a.beta2) * g * g;
+  if (a.decoupled) p -= a.lr * a.weight_decay * p;
+  p -= a.step_size * m / (sqrtf(v) + a.eps);
+}
+
+template <typename T, int V>
+__global__ void adam_kernel(T* __restrict__ param, const T* __restrict__ grad, float* __restrict__ exp_avg,
+                            float* __restrict__ exp_avg_sq, float* __restrict__ master, int64_t n, AdamArgs a) {
+  if (a.noop_flag && *a.noop_flag != 0.f) return;
+  const float gs = a.grad_scale * (a.grad_scale_ptr ? *a.grad_scale_ptr : 1.f);
+  for (int64_t base = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V; base < n;
+       base += int64_t(gridDim.x) * blockDim.x * V) {
+    if (base + V <= n) {
+      float p[V], g[V], m[V], v[V];
+      load<T, V>(grad + base, g);
+      if (master)
+        load<float, V>(master + base, p);
+      else
+        load<T, V>(param + base, p);
+      load<float, V>(exp_avg + base, m);
+      load<float, V>(exp_avg_sq + base, v);
+#pragma unroll
+      for (int i = 0; i < V; ++i) adam_one(p[i], g[i], m[i], v[i], a, gs);
+      store<float, V>(exp_avg + base, m);
+      store<float, V>(exp_avg_sq + base, v);
+      if (master) store<float, V>(master + base, p);
+      store<T, V>(param + base, p);
+    } else {
+      for (int64_t e = base; e < n; ++e) {
+        float p = master ? master[e] : to_f(param[e]), m = exp_avg[e], v = exp_avg_sq[e];
+        adam_one(p, to_f(grad[e]), m, v, a, gs);
+        exp_avg[e] = m;
+        exp_avg_sq[e] = v;
+        if (master) master[e] = p;
+        param[e] = from_f<T>(p);
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void sum_squares_kernel(const T* __restrict__ x, int64_t n, float* __restrict__ partial) {
+  float s = 0.f;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const float v = to_f(x[e]);
+    s += v * v;
+  }
+  s = block_sum(s);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+__global__ void norm_finish_kernel(const float* __restrict__ partial, int count, float* __restrict__ out) {
+  float s = 0.f;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) s += partial[i];
+  s = block_sum(s);
+  if (threadIdx.x == 0) *out = sqrtf(s);
+}
+
+void grad_norm(DType dt, const void* grad, int64_t n, float* partial, float* out, cudaStream_t stream) {
+  LS_DISPATCH(dt, { sum_squares_kernel<T><<<kNormBlocks, 512, 0, stream>>>((const T*)grad, n, partial); })
+  norm_finish_kernel<<<1, 512, 0, stream>>>(partial, kNormBlocks, out);
+}
+
+void adam_step(DType dt, void* param, const void* grad, float* exp_avg, float* exp_avg_sq, float* master, int64_t n,
+               const AdamArgs& args, cudaStream_t stream) {
+  if (n == 0) return;
+  LS_DISPATCH(dt, {
+    constexpr int V = 4;  // four fp32 moments per access: 16 bytes
+    const bool vec = aligned16(exp_avg) && aligned16(exp_avg_sq) && (!master || aligned16(master)) &&
+                     (reinterpret_cast<uintptr_t>(param) % (V * sizeof(T))) == 0 &&
+                     (reinterpret_cast<uintptr_t>(grad) % (V * sizeof(T))) == 0;
+    const int64_t blocks = (n + 256 * V - 1) / (256 * V);
+    const int grid = int(blocks < 4096 ? blocks : 4096);
+    if (vec)
+      adam_kernel<T, V><<<grid, 256, 0, stream>>>((T*)param, (const T*)grad, exp_avg, exp_avg_sq, master, n, args);
+    else
+      adam_kernel<T, 1><<<grid, 256, 0, stream>>>((T*)param, (const T*)grad, exp_avg, exp_avg_sq, master, n, args);
+  })
+}
+
+}  // namespace ls

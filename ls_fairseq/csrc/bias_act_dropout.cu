@@ -1,0 +1,82 @@
+// bias_act_dropout: out = dropout(act(x + bias)), act = relu or gelu (the exact
+// erf form, as fairseq's gelu), the first half of the FFN.
+// Fuses: bias add, activation, dropout (mask drawn in-kernel from Philox).
+// Never written to memory: x + bias, act(x + bias). The keep-mask is stored as
+// one byte per element (LightSeq2: bias+activation+dropout fusion).
+// Backward recomputes h = x + bias from x:
+//   dh = dout * mask / (1 - p) * act'(h), act'(h) = [h > 0] (relu) or
+//   Phi(h) + h * phi(h) (gelu, Phi/phi the normal cdf/pdf); dbias = column sum of dh,
+// fused into the same pass.
+#include "common.cuh"
+#include "dropout_map.cuh"
+#include "reduce.cuh"
+
+namespace ls {
+
+__device__ __forceinline__ float act(float h, int activation) {
+  return activation == 0 ? fmaxf(h, 0.f) : 0.5f * h * (1.f + erff(h * 0.70710678118654752f));
+}
+
+__device__ __forceinline__ float act_grad(float h, int activation) {
+  if (activation == 0) return h > 0.f ? 1.f : 0.f;
+  const float cdf = 0.5f * (1.f + erff(h * 0.70710678118654752f));
+  const float pdf = expf(-0.5f * h * h) * 0.39894228040143268f;
+  return cdf + h * pdf;
+}
+
+// values: act(x + bias); finish: nothing
+template <typename T>
+struct BadForward {
+  const T* x;
+  const T* bias;
+  int hidden, activation;
+  template <int N>
+  __device__ void values(int64_t e, float (&v)[N]) const {
+    float xv[N], bv[N];
+    load<T, N>(x + e, xv);
+    load<T, N>(bias + e % hidden, bv);
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = act(xv[i] + bv[i], activation);
+  }
+  template <int N>
+  __device__ void finish(int64_t, float (&)[N]) const {}
+};
+
+template <typename T>
+struct BadBackwardMap {
+  const T* dout;
+  const T* x;
+  const T* bias;
+  const uint8_t* mask;
+  T* dx;
+  int hidden, activation;
+  float scale;
+  __device__ float operator()(int64_t r, int c) const {
+    const int64_t e = r * hidden + c;
+    float d = 0.f;
+    if (!mask || mask[e]) d = to_f(dout[e]) * scale * act_grad(to_f(x[e]) + to_f(bias[c]), activation);
+    dx[e] = from_f<T>(d);
+    return d;
+  }
+};
+
+void bias_act_dropout_forward(DType dt, const void* x, const void* bias, void* out, uint8_t* mask, int64_t rows,
+                              int hidden, int activation, float p, RngState rng, cudaStream_t stream) {
+  LS_DISPATCH(dt, {
+    const bool vec = hidden % kVec<T> == 0 && aligned16(x) && aligned16(bias);
+    dropout_map<T>(BadForward<T>{(const T*)x, (const T*)bias, hidden, activation}, vec, (T*)out, mask,
+                   rows * hidden, p, rng, stream);
+  })
+}
+
+void bias_act_dropout_backward(DType dt, const void* dout, const void* x, const void* bias, const uint8_t* mask,
+                               void* dx, void* dbias, float* partial, int64_t rows, int hidden, int activation,
+                               float p, cudaStream_t stream) {
+  LS_DISPATCH(dt, {
+    BadBackwardMap<T> f{(const T*)dout, (const T*)x, (const T*)bias, mask, (T*)dx, hidden, activation,
+                        p > 0.f ? 1.f / (1.f - p) : 1.f};
+    map_column_sum<T>(f, (T*)dbias, partial, rows, hidden, stream);
+  })
+}
+
+}  // namespace ls

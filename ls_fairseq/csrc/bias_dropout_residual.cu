@@ -1,0 +1,71 @@
+// bias_dropout_residual: out = residual + dropout(x + bias), the tail of every
+// attention and FFN block.
+// Fuses: bias add, dropout (mask drawn in-kernel from Philox), residual add.
+// Never written to memory: x + bias, the dropped value. The keep-mask is stored
+// as one byte per element for backward (LightSeq2: bias+dropout+residual fusion).
+// Backward: dx = dout * mask / (1 - p), dresidual = dout (returned as is by the
+// autograd Function), dbias = column sum of dx, fused into the same pass.
+#include "common.cuh"
+#include "dropout_map.cuh"
+#include "reduce.cuh"
+
+namespace ls {
+
+// values: x + bias; finish: + residual
+template <typename T>
+struct BdrForward {
+  const T* x;
+  const T* bias;
+  const T* residual;
+  int hidden;
+  template <int N>
+  __device__ void values(int64_t e, float (&v)[N]) const {
+    float xv[N], bv[N];
+    load<T, N>(x + e, xv);
+    load<T, N>(bias + e % hidden, bv);
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = xv[i] + bv[i];
+  }
+  template <int N>
+  __device__ void finish(int64_t e, float (&v)[N]) const {
+    float rv[N];
+    load<T, N>(residual + e, rv);
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] += rv[i];
+  }
+};
+
+template <typename T>
+struct BdrBackwardMap {
+  const T* dout;
+  const uint8_t* mask;
+  T* dx;
+  int hidden;
+  float scale;
+  __device__ float operator()(int64_t r, int c) const {
+    const int64_t e = r * hidden + c;
+    const float d = mask ? (mask[e] ? to_f(dout[e]) * scale : 0.f) : to_f(dout[e]);
+    dx[e] = from_f<T>(d);
+    return d;
+  }
+};
+
+void bias_dropout_residual_forward(DType dt, const void* x, const void* bias, const void* residual, void* out,
+                                   uint8_t* mask, int64_t rows, int hidden, float p, RngState rng,
+                                   cudaStream_t stream) {
+  LS_DISPATCH(dt, {
+    const bool vec = hidden % kVec<T> == 0 && aligned16(x) && aligned16(bias) && aligned16(residual);
+    dropout_map<T>(BdrForward<T>{(const T*)x, (const T*)bias, (const T*)residual, hidden}, vec, (T*)out, mask,
+                   rows * hidden, p, rng, stream);
+  })
+}
+
+void bias_dropout_residual_backward(DType dt, const void* dout, const uint8_t* mask, void* dx, void* dbias,
+                                    float* partial, int64_t rows, int hidden, float p, cudaStream_t stream) {
+  LS_DISPATCH(dt, {
+    BdrBackwardMap<T> f{(const T*)dout, mask, (T*)dx, hidden, p > 0.f ? 1.f / (1.f - p) : 1.f};
+    map_column_sum<T>(f, (T*)dbias, partial, rows, hidden, stream);
+  })
+}
+
+}  // namespace ls

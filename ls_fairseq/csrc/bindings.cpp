@@ -1,0 +1,486 @@
+// Python bindings of ls_fairseq._C: every pybind definition and every input
+// check lives here; the .cu files hold kernels and their launchers only. Each
+// function has the signature of its op's PyTorch reference in ls_fairseq/ops
+// (the contract), allocates its outputs, and launches on the current stream of
+// the inputs' device. A failed check names the tensor and what was expected.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "kernels.h"
+
+namespace {
+
+using ls::DType;
+using torch::Tensor;
+
+#define CHECK_CUDA_OK()                                                                              \
+  do {                                                                                               \
+    const cudaError_t err = cudaGetLastError();                                                     \
+    TORCH_CHECK(err == cudaSuccess, "ls_fairseq kernel launch failed: ", cudaGetErrorString(err)); \
+  } while (0)
+
+DType dtype_of(const Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: TORCH_CHECK(false, name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+  return DType::kFloat32;
+}
+
+void check(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_like(const Tensor& t, const Tensor& ref, const char* name, const char* ref_name) {
+  check(t, name);
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), name, " must have ", ref_name, "'s dtype ", ref.scalar_type(),
+              ", got ", t.scalar_type());
+  TORCH_CHECK(t.device() == ref.device(), name, " must be on ", ref_name, "'s device ", ref.device());
+}
+
+void check_shape(const Tensor& t, at::IntArrayRef shape, const char* name) {
+  TORCH_CHECK(t.sizes() == shape, name, " must have shape ", shape, ", got ", t.sizes());
+}
+
+void check_mask(const std::optional<Tensor>& mask, const Tensor& like, const char* name) {
+  if (!mask) return;
+  check(*mask, name);
+  TORCH_CHECK(mask->scalar_type() == at::kByte, name, " must be uint8 (1 = keep), got ", mask->scalar_type());
+  check_shape(*mask, like.sizes(), name);
+}
+
+void check_probability(double p, const char* op) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, op, ": dropout probability must be in [0, 1), got ", p);
+}
+
+cudaStream_t stream() { return at::cuda::getCurrentCUDAStream(); }
+
+// The keep-mask for a dropout call: the given one, or a new one drawn from
+// torch's default CUDA generator (which advances, so --seed reproduces runs).
+std::pair<std::optional<Tensor>, ls::RngState> dropout_mask(const std::optional<Tensor>& given, double p,
+                                                            const Tensor& like) {
+  if (p == 0.0) return {std::nullopt, ls::RngState{0, 0, nullptr}};
+  if (given) return {given, ls::RngState{0, 0, given->data_ptr<uint8_t>()}};
+  auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt,
+                                                                 at::cuda::detail::getDefaultCUDAGenerator());
+  std::pair<uint64_t, uint64_t> seeds;
+  {
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    seeds = gen->philox_engine_inputs(4);
+  }
+  return {torch::empty(like.sizes(), like.options().dtype(at::kByte)), ls::RngState{seeds.first, seeds.second, nullptr}};
+}
+
+uint8_t* written_mask(const std::optional<Tensor>& given, const std::optional<Tensor>& mask) {
+  return (mask && !given) ? mask->data_ptr<uint8_t>() : nullptr;
+}
+
+const uint8_t* mask_ptr(const std::optional<Tensor>& mask) { return mask ? mask->data_ptr<uint8_t>() : nullptr; }
+
+int hidden_of(const Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, name, " must have a non-empty last dimension");
+  return int(x.size(-1));
+}
+
+// ---- layer_norm ----
+std::tuple<Tensor, Tensor, Tensor> layer_norm_forward(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                                                      double eps) {
+  check(x, "x");
+  const int hidden = hidden_of(x, "x");
+  check_like(weight, x, "weight", "x");
+  check_like(bias, x, "bias", "x");
+  check_shape(weight, {hidden}, "weight");
+  check_shape(bias, {hidden}, "bias");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = torch::empty_like(x);
+  auto stats_shape = x.sizes().slice(0, x.dim() - 1);
+  auto mean = torch::empty(stats_shape, x.options().dtype(at::kFloat));
+  auto rstd = torch::empty(stats_shape, x.options().dtype(at::kFloat));
+  ls::layer_norm_forward(dtype_of(x, "x"), x.data_ptr(), weight.data_ptr(), bias.data_ptr(), y.data_ptr(),
+                         mean.data_ptr<float>(), rstd.data_ptr<float>(), x.numel() / hidden, hidden, float(eps),
+                         stream());
+  CHECK_CUDA_OK();
+  return {y, mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                                       const Tensor& mean, const Tensor& rstd) {
+  check(x, "x");
+  const int hidden = hidden_of(x, "x");
+  check_like(dy, x, "dy", "x");
+  check_shape(dy, x.sizes(), "dy");
+  check_like(weight, x, "weight", "x");
+  check_shape(weight, {hidden}, "weight");
+  const int64_t rows = x.numel() / hidden;
+  for (auto* t : {&mean, &rstd}) {
+    check(*t, "mean/rstd");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == rows, "mean/rstd must be float32 with ", rows,
+                " elements");
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto dx = torch::empty_like(x);
+  auto dweight = torch::empty_like(weight);
+  auto dbias = torch::empty_like(weight);
+  auto partial = torch::empty({2 * ls::column_chunks(rows) * int64_t(hidden)}, x.options().dtype(at::kFloat));
+  ls::layer_norm_backward(dtype_of(x, "x"), dy.data_ptr(), x.data_ptr(), weight.data_ptr(), mean.data_ptr<float>(),
+                          rstd.data_ptr<float>(), dx.data_ptr(), dweight.data_ptr(), dbias.data_ptr(),
+                          partial.data_ptr<float>(), rows, hidden, stream());
+  CHECK_CUDA_OK();
+  return {dx, dweight, dbias};
+}
+
+// ---- bias_dropout_residual ----
+std::tuple<Tensor, std::optional<Tensor>> bias_dropout_residual_forward(const Tensor& x, const Tensor& bias,
+                                                                        const Tensor& residual, double p,
+                                                                        const std::optional<Tensor>& given) {
+  check(x, "x");
+  const int hidden = hidden_of(x, "x");
+  check_like(bias, x, "bias", "x");
+  check_shape(bias, {hidden}, "bias");
+  check_like(residual, x, "residual", "x");
+  check_shape(residual, x.sizes(), "residual");
+  check_probability(p, "bias_dropout_residual");
+  check_mask(given, x, "mask");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = torch::empty_like(x);
+  auto [mask, rng] = dropout_mask(given, p, x);
+  ls::bias_dropout_residual_forward(dtype_of(x, "x"), x.data_ptr(), bias.data_ptr(), residual.data_ptr(),
+                                    out.data_ptr(), written_mask(given, mask), x.numel() / hidden, hidden, float(p),
+                                    rng, stream());
+  CHECK_CUDA_OK();
+  return {out, mask};
+}
+
+std::tuple<Tensor, Tensor> bias_dropout_residual_backward(const Tensor& dout, const std::optional<Tensor>& mask,
+                                                          double p) {
+  check(dout, "dout");
+  const int hidden = hidden_of(dout, "dout");
+  check_mask(mask, dout, "mask");
+  const c10::cuda::CUDAGuard guard(dout.device());
+  const int64_t rows = dout.numel() / hidden;
+  auto dx = torch::empty_like(dout);
+  auto dbias = torch::empty({hidden}, dout.options());
+  auto partial = torch::empty({ls::column_chunks(rows) * int64_t(hidden)}, dout.options().dtype(at::kFloat));
+  ls::bias_dropout_residual_backward(dtype_of(dout, "dout"), dout.data_ptr(), mask_ptr(mask), dx.data_ptr(),
+                                     dbias.data_ptr(), partial.data_ptr<float>(), rows, hidden, float(p), stream());
+  CHECK_CUDA_OK();
+  return {dx, dbias};
+}
+
+// ---- bias_act_dropout ----
+int activation_id(const std::string& activation) {
+  TORCH_CHECK(activation == "relu" || activation == "gelu", "bias_act_dropout: activation '", activation,
+              "' is not supported; choose one of relu, gelu");
+  return activation == "relu" ? 0 : 1;
+}
+
+std::tuple<Tensor, std::optional<Tensor>> bias_act_dropout_forward(const Tensor& x, const Tensor& bias,
+                                                                   const std::string& activation, double p,
+                                                                   const std::optional<Tensor>& given) {
+  check(x, "x");
+  const int hidden = hidden_of(x, "x");
+  check_like(bias, x, "bias", "x");
+  check_shape(bias, {hidden}, "bias");
+  check_probability(p, "bias_act_dropout");
+  check_mask(given, x, "mask");
+  const int act = activation_id(activation);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = torch::empty_like(x);
+  auto [mask, rng] = dropout_mask(given, p, x);
+  ls::bias_act_dropout_forward(dtype_of(x, "x"), x.data_ptr(), bias.data_ptr(), out.data_ptr(),
+                               written_mask(given, mask), x.numel() / hidden, hidden, act, float(p), rng, stream());
+  CHECK_CUDA_OK();
+  return {out, mask};
+}
+
+std::tuple<Tensor, Tensor> bias_act_dropout_backward(const Tensor& dout, const Tensor& x, const Tensor& bias,
+                                                     const std::optional<Tensor>& mask, const std::string& activation,
+                                                     double p) {
+  check(x, "x");
+  const int hidden = hidden_of(x, "x");
+  check_like(dout, x, "dout", "x");
+  check_shape(dout, x.sizes(), "dout");
+  check_like(bias, x, "bias", "x");
+  check_shape(bias, {hidden}, "bias");
+  check_mask(mask, x, "mask");
+  const int act = activation_id(activation);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.numel() / hidden;
+  auto dx = torch::empty_like(x);
+  auto dbias = torch::empty_like(bias);
+  auto partial = torch::empty({ls::column_chunks(rows) * int64_t(hidden)}, x.options().dtype(at::kFloat));
+  ls::bias_act_dropout_backward(dtype_of(x, "x"), dout.data_ptr(), x.data_ptr(), bias.data_ptr(), mask_ptr(mask),
+                                dx.data_ptr(), dbias.data_ptr(), partial.data_ptr<float>(), rows, hidden, act,
+                                float(p), stream());
+  CHECK_CUDA_OK();
+  return {dx, dbias};
+}
+
+// ---- softmax ----
+std::tuple<Tensor, Tensor, std::optional<Tensor>> softmax_forward(const Tensor& scores,
+                                                                  const std::optional<Tensor>& key_padding_mask,
+                                                                  bool causal, double p,
+                                                                  const std::optional<Tensor>& given) {
+  check(scores, "scores");
+  TORCH_CHECK(scores.dim() == 4, "scores must be [batch, heads, tgt_len, src_len], got ", scores.sizes());
+  const int64_t B = scores.size(0), H = scores.size(1), Tq = scores.size(2), Tk = scores.size(3);
+  Tensor kpm;
+  if (key_padding_mask) {
+    check(*key_padding_mask, "key_padding_mask");
+    check_shape(*key_padding_mask, {B, Tk}, "key_padding_mask");
+    kpm = key_padding_mask->to(at::kByte);
+  }
+  check_probability(p, "softmax");
+  check_mask(given, scores, "mask");
+  const c10::cuda::CUDAGuard guard(scores.device());
+  auto probs = torch::empty_like(scores);
+  auto [mask, rng] = dropout_mask(given, p, scores);
+  auto out = p > 0.0 ? torch::empty_like(scores) : probs;
+  ls::softmax_forward(dtype_of(scores, "scores"), scores.data_ptr(), key_padding_mask ? kpm.data_ptr<uint8_t>() : nullptr,
+                      causal, out.data_ptr(), probs.data_ptr(), written_mask(given, mask), int(B), int(H), int(Tq),
+                      int(Tk), float(p), rng, stream());
+  CHECK_CUDA_OK();
+  return {out, probs, mask};
+}
+
+Tensor softmax_backward(const Tensor& dout, const Tensor& probs, const std::optional<Tensor>& mask, double p) {
+  check(probs, "probs");
+  check_like(dout, probs, "dout", "probs");
+  check_shape(dout, probs.sizes(), "dout");
+  check_mask(mask, probs, "mask");
+  const c10::cuda::CUDAGuard guard(probs.device());
+  const int tk = int(probs.size(-1));
+  auto ds = torch::empty_like(probs);
+  ls::softmax_backward(dtype_of(probs, "probs"), dout.data_ptr(), probs.data_ptr(), mask_ptr(mask), ds.data_ptr(),
+                       tk ? probs.numel() / tk : 0, tk, float(p), stream());
+  CHECK_CUDA_OK();
+  return ds;
+}
+
+// ---- qkv ----
+Tensor qkv_forward(const Tensor& x, const Tensor& bias, int64_t num_heads, int64_t num_parts, double first_scale) {
+  check(x, "x");
+  TORCH_CHECK(x.dim() == 3, "x must be [batch, len, parts * d], got ", x.sizes());
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
+  TORCH_CHECK(num_parts > 0 && num_heads > 0 && C % (num_parts * num_heads) == 0, "x's width ", C,
+              " must be divisible by parts (", num_parts, ") x heads (", num_heads, ")");
+  check_like(bias, x, "bias", "x");
+  check_shape(bias, {C}, "bias");
+  const int64_t D = C / num_parts / num_heads;
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = torch::empty({num_parts, B, num_heads, T, D}, x.options());
+  ls::qkv_forward(dtype_of(x, "x"), x.data_ptr(), bias.data_ptr(), out.data_ptr(), int(B), int(T), int(num_parts),
+                  int(num_heads), int(D), float(first_scale), stream());
+  CHECK_CUDA_OK();
+  return out;
+}
+
+std::tuple<Tensor, Tensor> qkv_backward(const Tensor& dy, double first_scale) {
+  check(dy, "dy");
+  TORCH_CHECK(dy.dim() == 5, "dy must be [parts, batch, heads, len, d_head], got ", dy.sizes());
+  const int64_t P = dy.size(0), B = dy.size(1), H = dy.size(2), T = dy.size(3), D = dy.size(4);
+  const c10::cuda::CUDAGuard guard(dy.device());
+  auto dx = torch::empty({B, T, P * H * D}, dy.options());
+  auto dbias = torch::empty({P * H * D}, dy.options());
+  auto partial = torch::empty({ls::column_chunks(B * T) * P * H * D}, dy.options().dtype(at::kFloat));
+  ls::qkv_backward(dtype_of(dy, "dy"), dy.data_ptr(), dx.data_ptr(), dbias.data_ptr(), partial.data_ptr<float>(),
+                   int(B), int(T), int(P), int(H), int(D), float(first_scale), stream());
+  CHECK_CUDA_OK();
+  return {dx, dbias};
+}
+
+// ---- embedding ----
+void check_ids(const Tensor& ids, const char* name) {
+  check(ids, name);
+  TORCH_CHECK(ids.scalar_type() == at::kLong, name, " must be int64, got ", ids.scalar_type());
+}
+
+std::tuple<Tensor, std::optional<Tensor>> embedding_forward(const Tensor& tokens, const Tensor& positions,
+                                                            const Tensor& weight,
+                                                            const std::optional<Tensor>& pos_weight, double scale,
+                                                            int64_t padding_idx, double p,
+                                                            const std::optional<Tensor>& given) {
+  check_ids(tokens, "tokens");
+  check_ids(positions, "positions");
+  check_shape(positions, tokens.sizes(), "positions");
+  check(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2, "weight must be [vocab, dim], got ", weight.sizes());
+  const int64_t dim = weight.size(1);
+  if (pos_weight) {
+    check_like(*pos_weight, weight, "pos_weight", "weight");
+    TORCH_CHECK(pos_weight->dim() == 2 && pos_weight->size(1) == dim, "pos_weight must be [positions, ", dim,
+                "], got ", pos_weight->sizes());
+  }
+  check_probability(p, "embedding");
+  std::vector<int64_t> out_shape(tokens.sizes().begin(), tokens.sizes().end());
+  out_shape.push_back(dim);
+  const c10::cuda::CUDAGuard guard(weight.device());
+  auto out = torch::empty(out_shape, weight.options());
+  check_mask(given, out, "mask");
+  auto [mask, rng] = dropout_mask(given, p, out);
+  ls::embedding_forward(dtype_of(weight, "weight"), tokens.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
+                        weight.data_ptr(), pos_weight ? pos_weight->data_ptr() : nullptr, out.data_ptr(),
+                        written_mask(given, mask), tokens.numel(), int(dim), float(scale), int(padding_idx), float(p),
+                        rng, stream());
+  CHECK_CUDA_OK();
+  return {out, mask};
+}
+
+Tensor table_gradient(const Tensor& dout, const std::optional<Tensor>& mask, const Tensor& ids, int64_t rows,
+                      double scale, int64_t padding_idx, double p) {
+  const int64_t dim = dout.size(-1);
+  auto dtable = torch::zeros({rows, dim}, dout.options());
+  auto [sorted, order] = ids.reshape({-1}).sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
+  ls::embedding_backward(dtype_of(dout, "dout"), dout.data_ptr(), mask_ptr(mask), sorted.data_ptr<int64_t>(),
+                         order.data_ptr<int64_t>(), dtable.data_ptr(), ids.numel(), int(dim), float(scale),
+                         int(padding_idx), float(p), stream());
+  CHECK_CUDA_OK();
+  return dtable;
+}
+
+std::tuple<Tensor, std::optional<Tensor>> embedding_backward(const Tensor& dout, const Tensor& tokens,
+                                                             const Tensor& positions,
+                                                             const std::optional<Tensor>& mask, double scale,
+                                                             int64_t padding_idx, double p, int64_t num_embeddings,
+                                                             int64_t num_positions) {
+  check(dout, "dout");
+  check_ids(tokens, "tokens");
+  check_ids(positions, "positions");
+  check_mask(mask, dout, "mask");
+  const c10::cuda::CUDAGuard guard(dout.device());
+  auto dweight = table_gradient(dout, mask, tokens, num_embeddings, scale, padding_idx, p);
+  std::optional<Tensor> dpos;
+  if (num_positions > 0) dpos = table_gradient(dout, mask, positions, num_positions, 1.0, padding_idx, p);
+  return {dweight, dpos};
+}
+
+// ---- cross_entropy ----
+std::tuple<Tensor, Tensor, Tensor> cross_entropy_forward(const Tensor& logits, const Tensor& target, double epsilon,
+                                                         int64_t padding_idx) {
+  check(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 2, "logits must be [tokens, vocab >= 2], got ", logits.sizes());
+  check_ids(target, "target");
+  check_shape(target, {logits.size(0)}, "target");
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const auto f32 = logits.options().dtype(at::kFloat);
+  auto loss = torch::empty({logits.size(0)}, f32), nll = torch::empty({logits.size(0)}, f32),
+       lse = torch::empty({logits.size(0)}, f32);
+  ls::cross_entropy_forward(dtype_of(logits, "logits"), logits.data_ptr(), target.data_ptr<int64_t>(),
+                            loss.data_ptr<float>(), nll.data_ptr<float>(), lse.data_ptr<float>(), logits.size(0),
+                            int(logits.size(1)), float(epsilon), int(padding_idx), stream());
+  CHECK_CUDA_OK();
+  return {loss, nll, lse};
+}
+
+Tensor cross_entropy_backward(const Tensor& dloss, const Tensor& dnll, const Tensor& logits, const Tensor& target,
+                              const Tensor& lse, double epsilon, int64_t padding_idx) {
+  check(logits, "logits");
+  check_ids(target, "target");
+  for (auto* t : {&dloss, &dnll, &lse}) {
+    check(*t, "dloss/dnll/lse");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == logits.size(0), "dloss/dnll/lse must be float32 with ",
+                logits.size(0), " elements");
+  }
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto grad = torch::empty_like(logits);
+  ls::cross_entropy_backward(dtype_of(logits, "logits"), dloss.data_ptr<float>(), dnll.data_ptr<float>(),
+                             logits.data_ptr(), target.data_ptr<int64_t>(), lse.data_ptr<float>(), grad.data_ptr(),
+                             logits.size(0), int(logits.size(1)), float(epsilon), int(padding_idx), stream());
+  CHECK_CUDA_OK();
+  return grad;
+}
+
+// ---- adam ----
+void check_f32_like(const Tensor& t, const Tensor& param, const char* name) {
+  check(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.numel() == param.numel(), name, " must have ", param.numel(), " elements, got ", t.numel());
+}
+
+const float* device_scalar(const Tensor& t, const Tensor& param, const char* name) {
+  check(t, name);
+  TORCH_CHECK(t.numel() == 1 && t.scalar_type() == at::kFloat, name, " must be a float32 scalar");
+  TORCH_CHECK(t.device() == param.device(), name, " must be on the parameters' device ", param.device());
+  return t.data_ptr<float>();
+}
+
+void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
+               const std::optional<Tensor>& master, double lr, double beta1, double beta2, double eps,
+               double weight_decay, int64_t step, const py::object& grad_scale, bool decoupled,
+               const std::optional<Tensor>& noop_flag) {
+  check(param, "param");
+  check_like(grad, param, "grad", "param");
+  TORCH_CHECK(grad.numel() == param.numel(), "grad must have ", param.numel(), " elements");
+  check_f32_like(exp_avg, param, "exp_avg");
+  check_f32_like(exp_avg_sq, param, "exp_avg_sq");
+  if (master) check_f32_like(*master, param, "master");
+  TORCH_CHECK(step >= 1, "adam_step: step must be at least 1, got ", step);
+  const c10::cuda::CUDAGuard guard(param.device());
+  ls::AdamArgs a{};
+  a.lr = float(lr);
+  a.beta1 = float(beta1);
+  a.beta2 = float(beta2);
+  a.eps = float(eps);
+  a.weight_decay = float(weight_decay);
+  a.step_size = float(lr * std::sqrt(1.0 - std::pow(beta2, double(step))) / (1.0 - std::pow(beta1, double(step))));
+  a.decoupled = decoupled;
+  Tensor scale_tensor;
+  if (THPVariable_Check(grad_scale.ptr())) {
+    scale_tensor = THPVariable_Unpack(grad_scale.ptr()).to(at::kFloat).contiguous();
+    a.grad_scale = 1.f;
+    a.grad_scale_ptr = device_scalar(scale_tensor, param, "grad_scale");
+  } else {
+    a.grad_scale = grad_scale.cast<float>();
+  }
+  Tensor flag;
+  if (noop_flag) {
+    flag = noop_flag->to(at::kFloat).contiguous();
+    a.noop_flag = device_scalar(flag, param, "noop_flag");
+  }
+  ls::adam_step(dtype_of(param, "param"), param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr<float>(),
+                exp_avg_sq.data_ptr<float>(), master ? master->data_ptr<float>() : nullptr, param.numel(), a,
+                stream());
+  CHECK_CUDA_OK();
+}
+
+Tensor grad_norm(const Tensor& grad) {
+  check(grad, "grad");
+  const c10::cuda::CUDAGuard guard(grad.device());
+  auto partial = torch::empty({ls::kNormBlocks}, grad.options().dtype(at::kFloat));
+  auto out = torch::empty({}, grad.options().dtype(at::kFloat));
+  ls::grad_norm(dtype_of(grad, "grad"), grad.data_ptr(), grad.numel(), partial.data_ptr<float>(),
+                out.data_ptr<float>(), stream());
+  CHECK_CUDA_OK();
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ls_fairseq fused CUDA kernels (see ls_fairseq/ops for each op's contract)";
+  m.def("layer_norm_forward", &layer_norm_forward);
+  m.def("layer_norm_backward", &layer_norm_backward);
+  m.def("bias_dropout_residual_forward", &bias_dropout_residual_forward);
+  m.def("bias_dropout_residual_backward", &bias_dropout_residual_backward);
+  m.def("bias_act_dropout_forward", &bias_act_dropout_forward);
+  m.def("bias_act_dropout_backward", &bias_act_dropout_backward);
+  m.def("softmax_forward", &softmax_forward);
+  m.def("softmax_backward", &softmax_backward);
+  m.def("qkv_forward", &qkv_forward);
+  m.def("qkv_backward", &qkv_backward);
+  m.def("embedding_forward", &embedding_forward);
+  m.def("embedding_backward", &embedding_backward);
+  m.def("cross_entropy_forward", &cross_entropy_forward);
+  m.def("cross_entropy_backward", &cross_entropy_backward);
+  m.def("adam_step", &adam_step);
+  m.def("grad_norm", &grad_norm);
+}

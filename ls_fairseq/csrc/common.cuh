@@ -1,0 +1,162 @@
+// Shared device helpers of the ls_fairseq kernels: storage types, fp32
+// conversion, warp/block reductions, 16-byte vector access, and a Philox4x32-10
+// counter-based generator (Salmon et al., SC'11) for dropout masks, keyed by the
+// (seed, offset) that torch's CUDA generator hands out, so --seed reproduces runs.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace ls {
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Elements of T in one 16-byte access.
+template <typename T>
+constexpr int kVec = 16 / sizeof(T);
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
+  Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_f(pk.v[i]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store(T* p, const float (&in)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int i = 0; i < N; ++i) pk.v[i] = from_f<T>(in[i]);
+  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float shared[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // shared may still be read by a previous call
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = lane < warps ? shared[lane] : 0.f;
+  return warp_sum(v);
+}
+
+// Sums of `a` and of `b` over the block in one reduction (two values per shuffle round).
+__device__ __forceinline__ void block_sum2(float& a, float& b) {
+  __shared__ float2 shared[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  a = warp_sum(a);
+  b = warp_sum(b);
+  __syncthreads();
+  if (lane == 0) shared[warp] = make_float2(a, b);
+  __syncthreads();
+  const float2 v = lane < warps ? shared[lane] : make_float2(0.f, 0.f);
+  a = warp_sum(v.x);
+  b = warp_sum(v.y);
+}
+
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float shared[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = lane < warps ? shared[lane] : -INFINITY;
+  return warp_max(v);
+}
+
+// Philox4x32-10: four 32-bit random words for counter `c` under key `k`.
+__device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    const unsigned hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+    const unsigned hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+    c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+    k.x += 0x9E3779B9u;
+    k.y += 0xBB67AE85u;
+  }
+  return c;
+}
+
+// Keep-bits of the dropout mask for elements 4g .. 4g+3 of one call's tensor:
+// a pure function of (seed, offset, element index), whatever the launch shape.
+__device__ __forceinline__ void keep4(const RngState& rng, uint64_t g, float p, bool (&keep)[4]) {
+  if (rng.given) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) keep[i] = rng.given[4 * g + i] != 0;
+    return;
+  }
+  const uint4 r = philox(make_uint4(unsigned(g), unsigned(g >> 32), unsigned(rng.offset), unsigned(rng.offset >> 32)),
+                         make_uint2(unsigned(rng.seed), unsigned(rng.seed >> 32)));
+  const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) keep[i] = float(w[i] >> 8) * (1.0f / 16777216.0f) >= p;
+}
+
+__device__ __forceinline__ bool keep1(const RngState& rng, uint64_t i, float p) {
+  if (rng.given) return rng.given[i] != 0;
+  bool k[4];
+  keep4(rng, i >> 2, p, k);
+  return k[i & 3];
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+inline int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
+
+// Runs the statements with T bound to the storage type that `dt` names.
+#define LS_DISPATCH(dt, ...)                 \
+  switch (dt) {                              \
+    case DType::kFloat32: {                  \
+      using T = float;                       \
+      __VA_ARGS__;                           \
+      break;                                 \
+    }                                        \
+    case DType::kFloat16: {                  \
+      using T = __half;                      \
+      __VA_ARGS__;                           \
+      break;                                 \
+    }                                        \
+    case DType::kBFloat16: {                 \
+      using T = __nv_bfloat16;               \
+      __VA_ARGS__;                           \
+      break;                                 \
+    }                                        \
+  }
+
+}  // namespace ls

@@ -1,0 +1,110 @@
+// cross_entropy: fairseq's label-smoothed cross-entropy from the logits.
+// One block per token reads its row of logits once, keeping a running max and
+// sum of exponentials (online logsumexp) and the sum of the logits, and writes
+// three fp32 numbers: loss, nll and lse. The [tokens x vocab] log-probabilities
+// are never written, in any precision. With V the vocabulary, eps_i = eps / (V - 1):
+//   nll = lse - x_t, smooth = V * lse - sum_j x_j,
+//   loss = (1 - eps - eps_i) * nll + eps_i * smooth (0 where target = padding).
+// Backward reads the row once more and writes the gradient in the logits' dtype:
+//   dloss/dx_j = p_j - eps_i - (1 - eps - eps_i) [j = t]   (p_j's coefficient,
+//   (1 - eps - eps_i) + V eps_i, is 1); dnll/dx_j = p_j - [j = t]; p_j = exp(x_j - lse).
+#include "common.cuh"
+
+namespace ls {
+
+// Merge running (max, sum of exp(x - max)) pairs.
+__device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
+  const float mx = fmaxf(m, m2);
+  if (mx == -INFINITY) return;
+  s = s * expf(m - mx) + s2 * expf(m2 - mx);
+  m = mx;
+}
+
+template <typename T>
+__global__ void ce_forward_kernel(const T* __restrict__ logits, const int64_t* __restrict__ target,
+                                  float* __restrict__ loss, float* __restrict__ nll, float* __restrict__ lse_out,
+                                  int vocab, float epsilon, int padding_idx) {
+  __shared__ float sm[32], ss[32], sx[32];
+  const int64_t row = blockIdx.x;
+  const T* x = logits + row * vocab;
+  float m = -INFINITY, s = 0.f, sumx = 0.f;
+  for (int j = threadIdx.x; j < vocab; j += blockDim.x) {  // one exp per element
+    const float v = to_f(x[j]);
+    sumx += v;
+    if (v > m) {
+      s = s * expf(m - v) + 1.f;
+      m = v;
+    } else if (v != -INFINITY) {
+      s += expf(v - m);
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    lse_merge(m, s, m2, s2);
+    sumx += __shfl_xor_sync(0xffffffffu, sumx, o);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    sm[warp] = m;
+    ss[warp] = s;
+    sx[warp] = sumx;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < int(blockDim.x >> 5); ++w) {
+      lse_merge(m, s, sm[w], ss[w]);
+      sumx += sx[w];
+    }
+    const float lse = m + logf(s);
+    const int64_t t = target[row];
+    lse_out[row] = lse;
+    if (t == padding_idx) {
+      loss[row] = 0.f;
+      nll[row] = 0.f;
+    } else {
+      const float eps_i = epsilon / (vocab - 1);
+      const float n = lse - to_f(x[t]);
+      nll[row] = n;
+      loss[row] = (1.f - epsilon - eps_i) * n + eps_i * (float(vocab) * lse - sumx);
+    }
+  }
+}
+
+template <typename T>
+__global__ void ce_backward_kernel(const float* __restrict__ dloss, const float* __restrict__ dnll,
+                                   const T* __restrict__ logits, const int64_t* __restrict__ target,
+                                   const float* __restrict__ lse, T* __restrict__ dlogits, int vocab, float epsilon,
+                                   int padding_idx) {
+  const int64_t row = blockIdx.x;
+  const int64_t t = target[row];
+  const bool live = t != padding_idx;
+  const float gl = live ? dloss[row] : 0.f, gn = live ? dnll[row] : 0.f, l = lse[row];
+  const float eps_i = epsilon / (vocab - 1), c = 1.f - epsilon - eps_i;
+  const T* x = logits + row * vocab;
+  T* dx = dlogits + row * vocab;
+  for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+    const float p = expf(to_f(x[j]) - l), hit = j == t ? 1.f : 0.f;
+    dx[j] = from_f<T>(gl * (p - eps_i - c * hit) + gn * (p - hit));
+  }
+}
+
+void cross_entropy_forward(DType dt, const void* logits, const int64_t* target, float* loss, float* nll, float* lse,
+                           int64_t n, int vocab, float epsilon, int padding_idx, cudaStream_t stream) {
+  if (n == 0) return;
+  LS_DISPATCH(dt, {
+    ce_forward_kernel<T><<<n, 512, 0, stream>>>((const T*)logits, target, loss, nll, lse, vocab, epsilon,
+                                                padding_idx);
+  })
+}
+
+void cross_entropy_backward(DType dt, const float* dloss, const float* dnll, const void* logits,
+                            const int64_t* target, const float* lse, void* dlogits, int64_t n, int vocab,
+                            float epsilon, int padding_idx, cudaStream_t stream) {
+  if (n == 0) return;
+  LS_DISPATCH(dt, {
+    ce_backward_kernel<T><<<n, 512, 0, stream>>>(dloss, dnll, (const T*)logits, target, lse, (T*)dlogits, vocab,
+                                                 epsilon, padding_idx);
+  })
+}
+
+}  // namespace ls

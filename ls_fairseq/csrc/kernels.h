@@ -1,0 +1,94 @@
+// Launchers of the ls_fairseq kernels: plain pointers and sizes, no torch
+// types, so the .cu files compile without torch's headers. bindings.cpp checks
+// the tensors and calls these on the current stream.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace ls {
+
+enum class DType { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Where a dropout call's keep-mask comes from: Philox under the key and
+// counter offset that torch's CUDA generator hands out, or, when `given` is
+// set, that mask (one byte per element), so kernel and reference can be
+// compared on the same mask.
+struct RngState {
+  uint64_t seed;
+  uint64_t offset;
+  const uint8_t* given;
+};
+
+// layer_norm.cu
+void layer_norm_forward(DType dt, const void* x, const void* gamma, const void* beta, void* y, float* mean, float* rstd,
+                        int64_t rows, int hidden, float eps, cudaStream_t stream);
+void layer_norm_backward(DType dt, const void* dy, const void* x, const void* gamma, const float* mean,
+                         const float* rstd, void* dx, void* dgamma, void* dbeta, float* partial, int64_t rows,
+                         int hidden, cudaStream_t stream);
+// partial: 2 x column_chunks(rows) x hidden floats
+
+// bias_dropout_residual.cu
+void bias_dropout_residual_forward(DType dt, const void* x, const void* bias, const void* residual, void* out,
+                                   uint8_t* mask, int64_t rows, int hidden, float p, RngState rng,
+                                   cudaStream_t stream);
+void bias_dropout_residual_backward(DType dt, const void* dout, const uint8_t* mask, void* dx, void* dbias,
+                                    float* partial, int64_t rows, int hidden, float p, cudaStream_t stream);
+
+// bias_act_dropout.cu; activation 0 = relu, 1 = gelu
+void bias_act_dropout_forward(DType dt, const void* x, const void* bias, void* out, uint8_t* mask, int64_t rows,
+                              int hidden, int activation, float p, RngState rng, cudaStream_t stream);
+void bias_act_dropout_backward(DType dt, const void* dout, const void* x, const void* bias, const uint8_t* mask,
+                               void* dx, void* dbias, float* partial, int64_t rows, int hidden, int activation,
+                               float p, cudaStream_t stream);
+
+// Row chunks of the two-stage column reductions behind the bias (and gamma/beta)
+// gradients: stage one writes chunks x cols fp32 partial sums, stage two adds them
+// up in a fixed order, so the result is deterministic.
+inline int column_chunks(int64_t rows) {
+  const int64_t c = (rows + 127) / 128;
+  return int(c < 1 ? 1 : (c > 64 ? 64 : c));
+}
+
+// softmax.cu: scores [B, heads, Tq, Tk]; key_padding [B, Tk] (nullptr: none)
+void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, bool causal, void* out, void* probs,
+                     uint8_t* mask, int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream);
+void softmax_backward(DType dt, const void* dout, const void* probs, const uint8_t* mask, void* dscores,
+                      int64_t rows, int tk, float p, cudaStream_t stream);
+
+// qkv.cu: x [B, T, parts * d] + bias -> out [parts, B, heads, T, d_head]
+void qkv_forward(DType dt, const void* x, const void* bias, void* out, int batch, int len, int parts, int heads,
+                 int head_dim, float first_scale, cudaStream_t stream);
+void qkv_backward(DType dt, const void* dy, void* dx, void* dbias, float* partial, int batch, int len, int parts,
+                  int heads, int head_dim, float first_scale, cudaStream_t stream);
+
+// embedding.cu: tokens/positions [n] (int64); pos_weight nullptr = sinusoidal
+void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions, const void* weight,
+                       const void* pos_weight, void* out, uint8_t* mask, int64_t n, int dim, float scale,
+                       int padding_idx, float p, RngState rng, cudaStream_t stream);
+// sorted_ids: token (or position) ids sorted stably; order: the token index of each sorted entry
+void embedding_backward(DType dt, const void* dout, const uint8_t* mask, const int64_t* sorted_ids,
+                        const int64_t* order, void* dtable, int64_t n, int dim, float scale, int padding_idx, float p,
+                        cudaStream_t stream);
+
+// cross_entropy.cu: logits [n, vocab]
+void cross_entropy_forward(DType dt, const void* logits, const int64_t* target, float* loss, float* nll, float* lse,
+                           int64_t n, int vocab, float epsilon, int padding_idx, cudaStream_t stream);
+void cross_entropy_backward(DType dt, const float* dloss, const float* dnll, const void* logits,
+                            const int64_t* target, const float* lse, void* dlogits, int64_t n, int vocab,
+                            float epsilon, int padding_idx, cudaStream_t stream);
+
+// adam.cu
+constexpr int kNormBlocks = 512;  // partial: kNormBlocks floats
+void grad_norm(DType dt, const void* grad, int64_t n, float* partial, float* out, cudaStream_t stream);
+struct AdamArgs {
+  float lr, beta1, beta2, eps, weight_decay, step_size, grad_scale;
+  const float* grad_scale_ptr;  // when set, multiplies grad_scale (a device scalar: no host sync)
+  const float* noop_flag;       // when set and non-zero (a device scalar), the step changes nothing
+  bool decoupled;
+};
+void adam_step(DType dt, void* param, const void* grad, float* exp_avg, float* exp_avg_sq, float* master, int64_t n,
+               const AdamArgs& args, cudaStream_t stream);
+
+}  // namespace ls

@@ -1,0 +1,177 @@
+// softmax: attention probabilities from scores [B, heads, Tq, Tk] with the
+// key-padding mask [B, Tk] and the causal mask applied on the fly (never
+// expanded in memory), fused with dropout. A fully masked row gives zeros.
+// Launch shapes are chosen per row length at compile time, as LightSeq2 does:
+// rows of up to 1024 keys take one warp each with the row in registers
+// (ITEMS = keys per thread: 1, 2, 4, ..., 32), so a row is read once and
+// written once; longer rows (no cap) take a block each and loop.
+// Writes probs (backward needs them) and, with dropout, the dropped copy and a
+// one-byte keep-mask. Backward: dp = dout * mask / (1 - p);
+// dscores = probs * (dp - sum_j dp_j * probs_j).
+#include "common.cuh"
+
+namespace ls {
+
+struct RowInfo {
+  const uint8_t* key_padding;
+  bool causal;
+  int heads, tq, tk;
+  __device__ bool masked(int64_t row, int j) const {
+    const int64_t b = row / (int64_t(heads) * tq);
+    const int i = int(row % tq);
+    return (key_padding && key_padding[b * tk + j]) || (causal && j > i + tk - tq);
+  }
+};
+
+template <typename T, int ITEMS>
+__global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
+                                            T* __restrict__ probs, uint8_t* __restrict__ mask, int64_t rows, float p,
+                                            RngState rng) {
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31, tk = info.tk;
+  if (row >= rows) return;
+  const T* s = scores + row * tk;
+  float v[ITEMS], m = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    const int j = lane + 32 * k;
+    v[k] = (j < tk && !info.masked(row, j)) ? to_f(s[j]) : -INFINITY;
+    m = fmaxf(m, v[k]);
+  }
+  m = warp_max(m);
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    v[k] = m == -INFINITY ? 0.f : expf(v[k] - m);
+    sum += v[k];
+  }
+  sum = warp_sum(sum);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f, scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    const int j = lane + 32 * k;
+    if (j < tk) {
+      const T pr = from_f<T>(v[k] * inv);
+      probs[row * tk + j] = pr;
+      if (p > 0.f) {
+        const bool keep = keep1(rng, row * tk + j, p);
+        if (mask) mask[row * tk + j] = keep;
+        out[row * tk + j] = from_f<T>(keep ? to_f(pr) * scale : 0.f);
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void softmax_forward_block_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
+                                             T* __restrict__ probs, uint8_t* __restrict__ mask, float p,
+                                             RngState rng) {
+  const int64_t row = blockIdx.x;
+  const int tk = info.tk;
+  const T* s = scores + row * tk;
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < tk; j += blockDim.x)
+    if (!info.masked(row, j)) m = fmaxf(m, to_f(s[j]));
+  m = block_max(m);
+  float sum = 0.f;
+  if (m != -INFINITY)
+    for (int j = threadIdx.x; j < tk; j += blockDim.x)
+      if (!info.masked(row, j)) sum += expf(to_f(s[j]) - m);
+  sum = block_sum(sum);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f, scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  for (int j = threadIdx.x; j < tk; j += blockDim.x) {
+    const float e = (m == -INFINITY || info.masked(row, j)) ? 0.f : expf(to_f(s[j]) - m);
+    const T pr = from_f<T>(e * inv);
+    probs[row * tk + j] = pr;
+    if (p > 0.f) {
+      const bool keep = keep1(rng, row * tk + j, p);
+      if (mask) mask[row * tk + j] = keep;
+      out[row * tk + j] = from_f<T>(keep ? to_f(pr) * scale : 0.f);
+    }
+  }
+}
+
+template <typename T, int ITEMS>
+__global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ probs,
+                                             const uint8_t* __restrict__ mask, T* __restrict__ ds, int64_t rows,
+                                             int tk, float p) {
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  float dp[ITEMS], pr[ITEMS], dot = 0.f;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    const int64_t e = row * tk + lane + 32 * k;
+    const bool in = lane + 32 * k < tk;
+    pr[k] = in ? to_f(probs[e]) : 0.f;
+    dp[k] = in && (!mask || mask[e]) ? to_f(dout[e]) * scale : 0.f;
+    dot += dp[k] * pr[k];
+  }
+  dot = warp_sum(dot);
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k)
+    if (lane + 32 * k < tk) ds[row * tk + lane + 32 * k] = from_f<T>(pr[k] * (dp[k] - dot));
+}
+
+template <typename T>
+__global__ void softmax_backward_block_kernel(const T* __restrict__ dout, const T* __restrict__ probs,
+                                              const uint8_t* __restrict__ mask, T* __restrict__ ds, int tk, float p) {
+  const int64_t base = int64_t(blockIdx.x) * tk;
+  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  float dot = 0.f;
+  for (int j = threadIdx.x; j < tk; j += blockDim.x)
+    if (!mask || mask[base + j]) dot += to_f(dout[base + j]) * scale * to_f(probs[base + j]);
+  dot = block_sum(dot);
+  for (int j = threadIdx.x; j < tk; j += blockDim.x) {
+    const float dp = (!mask || mask[base + j]) ? to_f(dout[base + j]) * scale : 0.f;
+    ds[base + j] = from_f<T>(to_f(probs[base + j]) * (dp - dot));
+  }
+}
+
+// Calls launch.template operator()<ITEMS>() with the smallest ITEMS whose warp covers tk,
+// or returns false when tk needs the block path.
+template <typename L>
+bool with_items(int tk, L&& launch) {
+  if (tk <= 32) return launch.template operator()<1>(), true;
+  if (tk <= 64) return launch.template operator()<2>(), true;
+  if (tk <= 128) return launch.template operator()<4>(), true;
+  if (tk <= 256) return launch.template operator()<8>(), true;
+  if (tk <= 512) return launch.template operator()<16>(), true;
+  if (tk <= 1024) return launch.template operator()<32>(), true;
+  return false;
+}
+
+constexpr int kRowsPerBlock = 4;
+
+void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, bool causal, void* out, void* probs,
+                     uint8_t* mask, int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream) {
+  const int64_t rows = int64_t(batch) * heads * tq;
+  if (rows == 0 || tk == 0) return;
+  RowInfo info{key_padding, causal, heads, tq, tk};
+  LS_DISPATCH(dt, {
+    const bool warp = with_items(tk, [&]<int ITEMS>() {
+      softmax_forward_warp_kernel<T, ITEMS><<<ceil_div(rows, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream>>>(
+          (const T*)scores, info, (T*)out, (T*)probs, mask, rows, p, rng);
+    });
+    if (!warp)
+      softmax_forward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)scores, info, (T*)out, (T*)probs, mask, p,
+                                                                 rng);
+  })
+}
+
+void softmax_backward(DType dt, const void* dout, const void* probs, const uint8_t* mask, void* dscores,
+                      int64_t rows, int tk, float p, cudaStream_t stream) {
+  if (rows == 0 || tk == 0) return;
+  LS_DISPATCH(dt, {
+    const bool warp = with_items(tk, [&]<int ITEMS>() {
+      softmax_backward_warp_kernel<T, ITEMS><<<ceil_div(rows, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream>>>(
+          (const T*)dout, (const T*)probs, mask, (T*)dscores, rows, tk, p);
+    });
+    if (!warp)
+      softmax_backward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)dout, (const T*)probs, mask,
+                                                                  (T*)dscores, tk, p);
+  })
+}
+
+}  // namespace ls
