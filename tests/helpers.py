@@ -30,3 +30,38 @@ def assert_low_precision_close(out, ref64, torch_out, what, floor=1e-6):
 
 def keep_mask(shape, p, device="cpu"):
     return (torch.rand(shape, device=device) >= p).to(torch.uint8)
+
+
+def kernel(op, like):
+    """The compiled extension, after asserting that ``op`` on ``like`` really dispatches to it:
+    on a GPU machine without the extension the GPU tests fail instead of testing the reference."""
+    from ls_fairseq.ops import dispatch
+
+    ext = dispatch.extension()
+    assert ext is not None, "the CUDA extension did not load: {}".format(dispatch.extension_error())
+    assert dispatch.use_kernel(op, like), "op {} does not dispatch to the kernel".format(op)
+    return ext
+
+
+def poison():
+    """Fill the caching allocator's free blocks with NaN, so that an output element a kernel
+    forgets to write reads as NaN."""
+    blocks = [torch.full((n,), float("nan"), device="cuda") for n in [64 << 20] + [1 << 16] * 16 + [1 << 10] * 64]
+    del blocks
+
+
+def check_kernel(out, ref64, lowp, what, floor=1e-6):
+    """fp32: relative error against fp64 at most 1e-5. fp16/bf16: at most twice the error
+    of PyTorch in the same precision (``lowp``), plus a floor."""
+    if out is None and ref64 is None:
+        return
+    assert torch.isfinite(out.float()).all(), "{}: non-finite (unwritten?) elements".format(what)
+    if out.dtype in (torch.float32, torch.float64):
+        err = rel_error(out, ref64.to(out.device))
+        assert err <= 1e-5, "{}: fp32 relative error {:.3g}".format(what, err)
+    else:
+        assert_low_precision_close(out, ref64.to(out.device), lowp, what, floor)
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+DTYPES = (torch.float32,) + LOW_PRECISION

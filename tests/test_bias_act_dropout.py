@@ -1,9 +1,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, grads, keep_mask
+from helpers import DTYPES, assert_close, check_kernel, grads, keep_mask, kernel, poison
 
 from ls_fairseq import ops
+from ls_fairseq.ops.bias_act_dropout import bias_act_dropout_backward_reference, bias_act_dropout_forward_reference
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
@@ -33,3 +34,23 @@ def test_gradcheck(activation):
 def test_unknown_activation_is_named():
     with pytest.raises(ValueError, match="'swish' is not supported"):
         ops.bias_act_dropout(torch.randn(2, 3), torch.randn(3), "swish")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("rows,hidden,p", [(1, 4096, 0.0), (7, 1030, 0.1), (8191, 4096, 0.1)])
+def test_kernel_matches_reference(dtype, activation, rows, hidden, p):
+    x, dout = (torch.randn(rows, hidden, device="cuda").to(dtype) for _ in range(2))
+    b = torch.randn(hidden, device="cuda").to(dtype)
+    ext = kernel("bias_act_dropout", x)
+    poison()
+    out, mask = ext.bias_act_dropout_forward(x, b, activation, p, None)
+    poison()
+    dx, db = ext.bias_act_dropout_backward(dout, x, b, mask, activation, p)
+    out64, _ = bias_act_dropout_forward_reference(x.double(), b.double(), activation, p, mask)
+    dx64, db64 = bias_act_dropout_backward_reference(dout.double(), x.double(), b.double(), mask, activation, p)
+    out_l, _ = bias_act_dropout_forward_reference(x, b, activation, p, mask)
+    dx_l, db_l = bias_act_dropout_backward_reference(dout, x, b, mask, activation, p)
+    for o, ref, low, name in ((out, out64, out_l, "out"), (dx, dx64, dx_l, "dx"), (db, db64, db_l, "dbias")):
+        check_kernel(o, ref, low, name)

@@ -1,8 +1,12 @@
 import pytest
 import torch
-from helpers import assert_close, grads, keep_mask
+from helpers import DTYPES, assert_close, check_kernel, grads, keep_mask, kernel, poison
 
 from ls_fairseq import ops
+from ls_fairseq.ops.bias_dropout_residual import (
+    bias_dropout_residual_backward_reference,
+    bias_dropout_residual_forward_reference,
+)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (7, 3), (2, 9, 1030)])
@@ -38,3 +42,40 @@ def test_gradcheck():
 def test_shape_mismatch_is_named():
     with pytest.raises(ValueError, match="residual"):
         ops.bias_dropout_residual(torch.randn(2, 4), torch.randn(4), torch.randn(3, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 1024), (7, 1030), (8191, 1024)])
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_kernel_matches_reference(dtype, rows, hidden, p):
+    x, r, dout = (torch.randn(rows, hidden, device="cuda").to(dtype) for _ in range(3))
+    b = torch.randn(hidden, device="cuda").to(dtype)
+    ext = kernel("bias_dropout_residual", x)
+    poison()
+    out, mask = ext.bias_dropout_residual_forward(x, b, r, p, None)
+    assert (mask is None) == (p == 0)
+    poison()
+    dx, db = ext.bias_dropout_residual_backward(dout, mask, p)
+    out64, _ = bias_dropout_residual_forward_reference(x.double(), b.double(), r.double(), p, mask)
+    dx64, db64 = bias_dropout_residual_backward_reference(dout.double(), mask, p)
+    out_l, _ = bias_dropout_residual_forward_reference(x, b, r, p, mask)
+    dx_l, db_l = bias_dropout_residual_backward_reference(dout, mask, p)
+    for o, ref, low, name in ((out, out64, out_l, "out"), (dx, dx64, dx_l, "dx"), (db, db64, db_l, "dbias")):
+        check_kernel(o, ref, low, name)
+
+
+@pytest.mark.gpu
+def test_kernel_dropout_rate_seed_and_given_mask():
+    x, r = torch.randn(4096, 1024, device="cuda"), torch.zeros(4096, 1024, device="cuda")
+    b = torch.zeros(1024, device="cuda")
+    ext = kernel("bias_dropout_residual", x)
+    torch.cuda.manual_seed(5)
+    a, mask_a = ext.bias_dropout_residual_forward(x, b, r, 0.3, None)
+    _, mask_b = ext.bias_dropout_residual_forward(x, b, r, 0.3, None)
+    torch.cuda.manual_seed(5)
+    _, mask_c = ext.bias_dropout_residual_forward(x, b, r, 0.3, None)
+    assert torch.equal(mask_a, mask_c) and not torch.equal(mask_a, mask_b)
+    assert abs(mask_a.float().mean().item() - 0.7) < 0.003
+    given, _ = ext.bias_dropout_residual_forward(x, b, r, 0.3, mask_b)
+    assert torch.equal(given == 0, mask_b == 0)

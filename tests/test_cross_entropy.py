@@ -1,9 +1,10 @@
 import pytest
 import torch
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
-from helpers import assert_close, grads
+from helpers import DTYPES, assert_close, check_kernel, grads, kernel, poison, rel_error
 
 from ls_fairseq import ops
+from ls_fairseq.ops.cross_entropy import cross_entropy_backward_reference, cross_entropy_forward_reference
 
 PAD = 1
 
@@ -36,3 +37,32 @@ def test_batched_shape_and_gradcheck():
 def test_shape_errors_are_named():
     with pytest.raises(ValueError, match="plus a vocabulary dimension"):
         ops.label_smoothed_cross_entropy(torch.randn(4, 5), torch.zeros(3, dtype=torch.long), 0.1, PAD)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,V", [(1, 32003), (7, 1000), (8191, 32003)])
+def test_kernel_matches_reference(dtype, N, V):
+    logits = (torch.randn(N, V, device="cuda") * 2).to(dtype)
+    target = torch.randint(0, V, (N,), device="cuda")
+    target[::5] = PAD
+    dloss, dnll = torch.rand(N, device="cuda"), torch.rand(N, device="cuda")
+    ext = kernel("cross_entropy", logits)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    poison()
+    torch.cuda.reset_peak_memory_stats()
+    loss, nll, lse = ext.cross_entropy_forward(logits, target, 0.1, PAD)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < N * V * 4 // 4 + (1 << 20), "cross-entropy forward used {} extra bytes".format(extra)
+    poison()
+    grad = ext.cross_entropy_backward(dloss, dnll, logits, target, lse, 0.1, PAD)
+    ref64 = cross_entropy_forward_reference(logits.double(), target, 0.1, PAD)
+    g64 = cross_entropy_backward_reference(dloss.double(), dnll.double(), logits.double(), target, ref64[2], 0.1, PAD)
+    ref_l = cross_entropy_forward_reference(logits, target, 0.1, PAD)
+    g_l = cross_entropy_backward_reference(dloss, dnll, logits, target, ref_l[2], 0.1, PAD)
+    for o, ref, low, name in zip((loss, nll, lse), ref64, ref_l, ("loss", "nll", "lse")):
+        assert rel_error(o, ref) < 1e-5, name  # fp32 outputs whatever the logits' dtype
+    check_kernel(grad, g64, g_l, "dlogits")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, grads
+from helpers import DTYPES, assert_close, check_kernel, grads, kernel, poison, rel_error
 
 from ls_fairseq import ops
 from ls_fairseq.ops.layer_norm import layer_norm_backward_reference, layer_norm_forward_reference
@@ -54,3 +54,29 @@ def test_backward_reference_is_the_explicit_formula():
 def test_shape_errors_name_the_problem():
     with pytest.raises(ValueError, match="last dimension 8 must equal weight"):
         ops.layer_norm(torch.randn(2, 8), torch.ones(7), torch.zeros(7))
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 512), (7, 1030), (8191, 1024), (33, 768)])
+def test_kernel_matches_reference(dtype, rows, hidden):
+    x = (torch.randn(rows, hidden, device="cuda") * 3 + 2).to(dtype)
+    w = (torch.rand(hidden, device="cuda") + 0.5).to(dtype)
+    b = torch.randn(hidden, device="cuda").to(dtype)
+    dy = torch.randn(rows, hidden, device="cuda").to(dtype)
+    ext = kernel("layer_norm", x)
+    poison()
+    y, mean, rstd = ext.layer_norm_forward(x, w, b, 1e-5)
+    poison()
+    dx, dw, db = ext.layer_norm_backward(dy, x, w, mean, rstd)
+    x64, w64, b64, dy64 = (t.double() for t in (x, w, b, dy))
+    y64, mean64, rstd64 = layer_norm_forward_reference(x64, w64, b64, 1e-5)
+    dx64, dw64, db64 = layer_norm_backward_reference(dy64, x64, w64, mean64, rstd64)
+    # PyTorch's own: torch's layer norm in the same precision (what fairseq's LayerNorm runs)
+    xl, wl, bl = (t.clone().requires_grad_() for t in (x, w, b))
+    yl = F.layer_norm(xl, (hidden,), wl, bl, 1e-5)
+    dxl, dwl, dbl = torch.autograd.grad(yl, (xl, wl, bl), dy)
+    for out, ref, low, name in zip((y, dx, dw, db), (y64, dx64, dw64, db64), (yl, dxl, dwl, dbl), ("y", "dx", "dgamma", "dbeta")):
+        check_kernel(out, ref, low, name)
+    assert rel_error(mean, mean64) < 1e-5 and rel_error(rstd, rstd64) < 1e-4

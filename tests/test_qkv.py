@@ -1,8 +1,9 @@
 import pytest
 import torch
-from helpers import assert_close, grads
+from helpers import DTYPES, assert_close, check_kernel, grads, kernel, poison
 
 from ls_fairseq import ops
+from ls_fairseq.ops.qkv import qkv_backward_reference, qkv_forward_reference
 
 
 @pytest.mark.parametrize("B,T,H,D,parts", [(1, 1, 1, 4, 3), (2, 7, 4, 8, 3), (3, 5, 2, 6, 1), (2, 3, 2, 4, 4)])
@@ -35,3 +36,23 @@ def test_gradcheck():
 def test_indivisible_width_is_an_error():
     with pytest.raises(ValueError, match="divisible by heads"):
         ops.split_heads(torch.randn(1, 2, 30), torch.zeros(30), 4, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,H,D,parts", [(2, 7, 4, 64, 3), (3, 33, 16, 64, 1), (1, 1, 2, 6, 2), (4, 257, 16, 64, 12)])
+def test_kernel_matches_reference(dtype, B, T, H, D, parts):
+    x = torch.randn(B, T, parts * H * D, device="cuda").to(dtype)
+    b = torch.randn(parts * H * D, device="cuda").to(dtype)
+    dy = torch.randn(parts, B, H, T, D, device="cuda").to(dtype)
+    ext = kernel("qkv", x)
+    poison()
+    out = ext.qkv_forward(x, b, H, parts, D**-0.5)
+    poison()
+    dx, db = ext.qkv_backward(dy, D**-0.5)
+    out64 = qkv_forward_reference(x.double(), b.double(), H, parts, D**-0.5)
+    dx64, db64 = qkv_backward_reference(dy.double(), D**-0.5)
+    out_l = qkv_forward_reference(x, b, H, parts, D**-0.5)
+    dx_l, db_l = qkv_backward_reference(dy, D**-0.5)
+    for o, ref, low, name in ((out, out64, out_l, "out"), (dx, dx64, dx_l, "dx"), (db, db64, db_l, "dbias")):
+        check_kernel(o, ref, low, name)

@@ -1,8 +1,9 @@
 import pytest
 import torch
-from helpers import assert_close, grads, keep_mask
+from helpers import DTYPES, assert_close, check_kernel, grads, keep_mask, kernel, poison
 
 from ls_fairseq import ops
+from ls_fairseq.ops.softmax import softmax_backward_reference, softmax_forward_reference
 
 
 def independent_softmax(scores, key_padding_mask, causal, p, mask):
@@ -67,3 +68,27 @@ def test_gradcheck():
 def test_bad_mask_shape_is_named():
     with pytest.raises(ValueError, match="key_padding_mask"):
         ops.softmax(torch.randn(2, 1, 3, 4), torch.zeros(2, 3, dtype=torch.bool))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "B,H,Tq,Tk,causal",
+    [(2, 3, 1, 1, False), (2, 4, 33, 33, True), (1, 2, 7, 257, False), (1, 1, 3, 1030, False), (2, 2, 5, 1000, True)],
+)
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_kernel_matches_reference(dtype, B, H, Tq, Tk, causal, p):
+    scores = (torch.randn(B, H, Tq, Tk, device="cuda") * 3).to(dtype)
+    kpm = torch.arange(Tk, device="cuda")[None, :] >= torch.tensor([max(1, Tk - 5 * b) for b in range(B)], device="cuda")[:, None]
+    dout = torch.randn_like(scores)
+    ext = kernel("softmax", scores)
+    poison()
+    out, probs, mask = ext.softmax_forward(scores, kpm, causal, p, None)
+    poison()
+    ds = ext.softmax_backward(dout, probs, mask, p)
+    out64, probs64, _ = softmax_forward_reference(scores.double(), kpm, causal, p, mask)
+    ds64 = softmax_backward_reference(dout.double(), probs64, mask, p)
+    out_l, probs_l, _ = softmax_forward_reference(scores, kpm, causal, p, mask)
+    ds_l = softmax_backward_reference(dout, probs_l, mask, p)
+    for o, ref, low, name in ((out, out64, out_l, "out"), (probs, probs64, probs_l, "probs"), (ds, ds64, ds_l, "dscores")):
+        check_kernel(o, ref, low, name)

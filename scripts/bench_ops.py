@@ -1,0 +1,234 @@
+"""Time each fused kernel against the PyTorch composition it replaces (GPU).
+
+Sizes of transformer-big at 8,192 tokens (hidden 1024, FFN 4096, 16 heads,
+vocab 32k; attention rows of 16 heads x 256 sentences of length 32); the
+composition is what stock fairseq's layer runs for the same job in the same
+dtype. Each timing is the median of many CUDA-event-timed runs after warm-up,
+rotating among input sets that together exceed the 60 MB L2 cache. Achieved
+bandwidth counts the fewest bytes the op must move (each input read once, each
+output written once) against the card's measured device-to-device copy
+bandwidth.
+
+  python scripts/bench_ops.py [--dtype fp16|bf16] [--json FILE]
+"""
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+from fairseq.optim.adam import Adam as FairseqAdamImpl
+
+from ls_fairseq import ops
+from ls_fairseq.ops import dispatch
+from ls_fairseq.ops.embedding import sinusoidal
+
+TOKENS, HIDDEN, FFN, HEADS, VOCAB, SENT_LEN = 8192, 1024, 4096, 16, 32000, 32
+L2_BYTES = 60 << 20
+P = 0.1
+
+
+def time_ms(fn, sets, iters=30):
+    """Median milliseconds of fn(set) over rotating input sets, after warm-up."""
+    for s in sets[:2]:
+        fn(s)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        s = sets[i % len(sets)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(s)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth():
+    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = time_ms(lambda _: b.copy_(a), [None], iters=20)
+    return 2 * a.numel() / ms / 1e6
+
+
+def make_sets(make, bytes_per_set):
+    return [make() for _ in range(max(2, 2 * L2_BYTES // max(bytes_per_set, 1) + 1))]
+
+
+def rand(*shape, dtype):
+    return torch.randn(*shape, device="cuda").to(dtype)
+
+
+def benches(dtype):
+    s = torch.finfo(dtype).bits // 8
+    n = TOKENS * HIDDEN
+    rows = []
+
+    # layer_norm
+    def ln_inputs():
+        return [rand(TOKENS, HIDDEN, dtype=dtype).requires_grad_(), rand(HIDDEN, dtype=dtype).requires_grad_(),
+                rand(HIDDEN, dtype=dtype).requires_grad_(), rand(TOKENS, HIDDEN, dtype=dtype)]
+
+    rows.append(("layer_norm", ln_inputs, 2 * n * s, 3 * n * s,
+                 lambda x, w, b, dy: F.layer_norm(x, (HIDDEN,), w, b, 1e-5),
+                 lambda x, w, b, dy: ops.layer_norm(x, w, b)))
+
+    # bias_dropout_residual
+    def bdr_inputs():
+        return [rand(TOKENS, HIDDEN, dtype=dtype).requires_grad_(), rand(HIDDEN, dtype=dtype).requires_grad_(),
+                rand(TOKENS, HIDDEN, dtype=dtype).requires_grad_(), rand(TOKENS, HIDDEN, dtype=dtype)]
+
+    rows.append(("bias_dropout_residual", bdr_inputs, n * (3 * s + 1), n * (2 * s + 1),
+                 lambda x, b, r, dy: r + F.dropout(x + b, P),
+                 lambda x, b, r, dy: ops.bias_dropout_residual(x, b, r, P)))
+
+    # bias_act_dropout (relu, FFN width)
+    m = TOKENS * FFN
+
+    def bad_inputs():
+        return [rand(TOKENS, FFN, dtype=dtype).requires_grad_(), rand(FFN, dtype=dtype).requires_grad_(),
+                rand(TOKENS, FFN, dtype=dtype)]
+
+    rows.append(("bias_act_dropout", bad_inputs, m * (2 * s + 1), m * (3 * s + 1),
+                 lambda x, b, dy: F.dropout(F.relu(x + b), P),
+                 lambda x, b, dy: ops.bias_act_dropout(x, b, "relu", P)))
+
+    # softmax: [B, heads, T, T] with key padding, attention dropout
+    B = TOKENS // SENT_LEN
+    a = B * HEADS * SENT_LEN * SENT_LEN
+
+    def sm_inputs():
+        kpm = torch.zeros(B, SENT_LEN, dtype=torch.bool, device="cuda")
+        kpm[::3, -4:] = True
+        return [rand(B, HEADS, SENT_LEN, SENT_LEN, dtype=dtype).requires_grad_(), kpm,
+                rand(B, HEADS, SENT_LEN, SENT_LEN, dtype=dtype)]
+
+    rows.append(("softmax", sm_inputs, a * (3 * s + 1), a * (3 * s + 1),
+                 lambda x, kpm, dy: F.dropout(torch.softmax(x.masked_fill(kpm[:, None, None, :], float("-inf")).float(), -1).type_as(x), P),
+                 lambda x, kpm, dy: ops.softmax(x, kpm, False, P)))
+
+    # qkv: bias add + head split of [B, T, 3d]
+    def qkv_inputs():
+        return [rand(B, SENT_LEN, 3 * HIDDEN, dtype=dtype).requires_grad_(), rand(3 * HIDDEN, dtype=dtype).requires_grad_(),
+                rand(3, B, HEADS, SENT_LEN, HIDDEN // HEADS, dtype=dtype)]
+
+    def qkv_stock(x, b, dy):
+        q, k, v = (x + b).chunk(3, dim=-1)
+        heads = [t.reshape(B, SENT_LEN, HEADS, -1).transpose(1, 2).contiguous() for t in (q * (HIDDEN // HEADS) ** -0.5, k, v)]
+        return torch.stack(heads)
+
+    rows.append(("qkv", qkv_inputs, 2 * 3 * n * s, 2 * 3 * n * s, qkv_stock,
+                 lambda x, b, dy: torch.stack(ops.split_heads(x, b, HEADS, 3, (HIDDEN // HEADS) ** -0.5))))
+
+    # embedding: scaled lookup + sinusoidal positions + dropout
+    def emb_inputs():
+        tokens = torch.randint(4, VOCAB, (B, SENT_LEN), device="cuda")
+        return [tokens, ops.make_positions(tokens, 1), rand(VOCAB, HIDDEN, dtype=dtype).requires_grad_(),
+                rand(B, SENT_LEN, HIDDEN, dtype=dtype)]
+
+    table = sinusoidal(torch.arange(1100, device="cuda"), HIDDEN, 1).to(dtype)
+
+    rows.append(("embedding", emb_inputs, n * (2 * s + 1), n * (3 * s + 1),
+                 lambda t, pos, w, dy: F.dropout(HIDDEN**0.5 * F.embedding(t, w, padding_idx=1) + table.index_select(0, pos.view(-1)).view(B, SENT_LEN, -1), P),
+                 lambda t, pos, w, dy: ops.embedding(t, pos, w, None, HIDDEN**0.5, 1, P)))
+
+    # cross_entropy: logits [tokens, vocab]
+    v = TOKENS * VOCAB
+
+    def ce_inputs():
+        target = torch.randint(0, VOCAB, (TOKENS,), device="cuda")
+        return [rand(TOKENS, VOCAB, dtype=dtype).requires_grad_(), target, None]
+
+    def ce_stock(x, target, _):
+        loss, _ = label_smoothed_nll_loss(F.log_softmax(x.float(), -1), target, 0.1, ignore_index=1)
+        return loss
+
+    def ce_ls(x, target, _):
+        loss, _ = ops.label_smoothed_cross_entropy(x, target, 0.1, 1)
+        return loss.sum()
+
+    rows.append(("cross_entropy", ce_inputs, v * s, 2 * v * s, ce_stock, ce_ls))
+    return rows
+
+
+def bench_forward_backward(name, make, fwd_bytes, bwd_bytes, stock, ours, copy_bw):
+    sets = make_sets(make, fwd_bytes + bwd_bytes)
+    results = {}
+    for label, fn in (("stock", stock), ("ls", ours)):
+        def fwd(args, fn=fn):
+            with torch.no_grad():
+                fn(*args)
+
+        def fwd_bwd(args, fn=fn):
+            out = fn(*args)
+            grad = args[-1] if args[-1] is not None and args[-1].shape == out.shape else torch.ones_like(out)
+            leaves = [a for a in args if torch.is_tensor(a) and a.requires_grad]
+            torch.autograd.grad(out, leaves, grad)
+
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        f_ms = time_ms(fwd, sets)
+        fb_ms = time_ms(fwd_bwd, sets)
+        peak = torch.cuda.max_memory_allocated() - base
+        results[label] = dict(fwd_ms=f_ms, bwd_ms=max(fb_ms - f_ms, 1e-6), peak_extra_mb=peak / 2**20)
+    ls, st = results["ls"], results["stock"]
+    return dict(
+        op=name, stock_fwd_ms=st["fwd_ms"], ls_fwd_ms=ls["fwd_ms"], stock_bwd_ms=st["bwd_ms"], ls_bwd_ms=ls["bwd_ms"],
+        fwd_speedup=st["fwd_ms"] / ls["fwd_ms"], bwd_speedup=st["bwd_ms"] / ls["bwd_ms"],
+        fwd_bw_pct=100 * fwd_bytes / ls["fwd_ms"] / 1e6 / copy_bw, bwd_bw_pct=100 * bwd_bytes / ls["bwd_ms"] / 1e6 / copy_bw,
+        stock_peak_mb=st["peak_extra_mb"], ls_peak_mb=ls["peak_extra_mb"],
+    )
+
+
+def bench_adam(dtype, copy_bw):
+    """Whole-model update: ls_adam's one launch over an fp16/bf16 workspace vs fairseq's adam
+    on the flat fp32 master parameter that --fp16 (FP16Optimizer) hands it."""
+    n = 210_000_000  # transformer-big with shared embeddings
+    s = torch.finfo(dtype).bits // 8
+    p, g = rand(n, dtype=dtype), rand(n, dtype=dtype)
+    m, v = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+    ls_ms = time_ms(lambda _: ops.adam_step(p, g, m, v, lr=1e-4, beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.0, step=5), [None], 10)
+    del p, g
+    flat = torch.nn.Parameter(torch.zeros(n, device="cuda"))
+    flat.grad = torch.randn(n, device="cuda")
+    stock = FairseqAdamImpl([flat], lr=1e-4, betas=(0.9, 0.98))
+    stock_ms = time_ms(lambda _: stock.step(), [None], 10)
+    bytes_ = n * (3 * s + 16)
+    return dict(op="adam", stock_fwd_ms=stock_ms, ls_fwd_ms=ls_ms, fwd_speedup=stock_ms / ls_ms,
+                fwd_bw_pct=100 * bytes_ / ls_ms / 1e6 / copy_bw)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    parser.add_argument("--json", help="write the raw numbers here")
+    args = parser.parse_args()
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    assert dispatch.extension() is not None, "the CUDA extension is not loaded: {}".format(dispatch.extension_error())
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth()
+    results = [bench_forward_backward(*row, copy_bw=copy_bw) for row in benches(dtype)]
+    torch.cuda.empty_cache()
+    results.append(bench_adam(dtype, copy_bw))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(dtype=args.dtype, copy_gbps=copy_bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)
+    print("\n{} on {}, copy bandwidth {:.0f} GB/s (transformer-big sizes, 8192 tokens)".format(
+        args.dtype, torch.cuda.get_device_name(), copy_bw))
+    print("| op | stock fwd ms | ls fwd ms | fwd x | ls fwd % copy bw | stock bwd ms | ls bwd ms | bwd x | ls bwd % copy bw | extra MB stock / ls |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        print("| {op} | {a:.3f} | {b:.3f} | {c:.2f} | {d:.0f}% | {e} | {f} | {g} | {h} | {i} |".format(
+            op=r["op"], a=r["stock_fwd_ms"], b=r["ls_fwd_ms"], c=r["fwd_speedup"], d=r["fwd_bw_pct"],
+            e="{:.3f}".format(r["stock_bwd_ms"]) if "stock_bwd_ms" in r else "-",
+            f="{:.3f}".format(r["ls_bwd_ms"]) if "ls_bwd_ms" in r else "-",
+            g="{:.2f}".format(r["bwd_speedup"]) if "bwd_speedup" in r else "-",
+            h="{:.0f}%".format(r["bwd_bw_pct"]) if "bwd_bw_pct" in r else "-",
+            i="{:.0f} / {:.0f}".format(r["stock_peak_mb"], r["ls_peak_mb"]) if "ls_peak_mb" in r else "-"))
+
+
+if __name__ == "__main__":
+    main()
