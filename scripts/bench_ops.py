@@ -131,7 +131,8 @@ def benches(dtype):
 
     table = sinusoidal(torch.arange(1100, device="cuda"), HIDDEN, 1).to(dtype)
 
-    rows.append(("embedding", emb_inputs, n * (2 * s + 1), n * (3 * s + 1),
+    # backward writes the whole dense table gradient (zeros where no token), as stock's does
+    rows.append(("embedding", emb_inputs, n * (2 * s + 1), n * (2 * s + 1) + VOCAB * HIDDEN * s,
                  lambda t, pos, w, dy: F.dropout(HIDDEN**0.5 * F.embedding(t, w, padding_idx=1) + table.index_select(0, pos.view(-1)).view(B, SENT_LEN, -1), P),
                  lambda t, pos, w, dy: ops.embedding(t, pos, w, None, HIDDEN**0.5, 1, P)))
 

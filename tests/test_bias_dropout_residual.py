@@ -78,4 +78,5 @@ def test_kernel_dropout_rate_seed_and_given_mask():
     assert torch.equal(mask_a, mask_c) and not torch.equal(mask_a, mask_b)
     assert abs(mask_a.float().mean().item() - 0.7) < 0.003
     given, _ = ext.bias_dropout_residual_forward(x, b, r, 0.3, mask_b)
-    assert torch.equal(given == 0, mask_b == 0)
+    wrong = (given == 0) != (mask_b == 0)
+    assert not wrong.any(), "{} elements ignore the given mask, first at {}".format(int(wrong.sum()), wrong.nonzero()[:4].tolist())

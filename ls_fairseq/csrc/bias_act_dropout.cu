@@ -51,12 +51,19 @@ struct BadBackwardMap {
   T* dx;
   int hidden, activation;
   float scale;
-  __device__ float operator()(int64_t r, int c) const {
+  template <int N>
+  __device__ void operator()(int64_t r, int c, float (&v)[1][N]) const {
     const int64_t e = r * hidden + c;
-    float d = 0.f;
-    if (!mask || mask[e]) d = to_f(dout[e]) * scale * act_grad(to_f(x[e]) + to_f(bias[c]), activation);
-    dx[e] = from_f<T>(d);
-    return d;
+    float xv[N], bv[N];
+    bool keep[N];
+    load<T, N>(dout + e, v[0]);
+    load<T, N>(x + e, xv);
+    load<T, N>(bias + c, bv);
+    if (mask) load_mask<N>(mask + e, keep);
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      v[0][i] = (!mask || keep[i]) ? v[0][i] * scale * act_grad(xv[i] + bv[i], activation) : 0.f;
+    store<T, N>(dx + e, v[0]);
   }
 };
 
@@ -75,7 +82,9 @@ void bias_act_dropout_backward(DType dt, const void* dout, const void* x, const 
   LS_DISPATCH(dt, {
     BadBackwardMap<T> f{(const T*)dout, (const T*)x, (const T*)bias, mask, (T*)dx, hidden, activation,
                         p > 0.f ? 1.f / (1.f - p) : 1.f};
-    map_column_sum<T>(f, (T*)dbias, partial, rows, hidden, stream);
+    T* const out[1] = {(T*)dbias};
+    const bool vec = aligned16(dout) && aligned16(x) && aligned16(bias) && aligned16(dx);
+    map_column_sum<T, 1>(f, vec, out, partial, rows, hidden, stream);
   })
 }
 

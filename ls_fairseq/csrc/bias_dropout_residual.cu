@@ -42,11 +42,15 @@ struct BdrBackwardMap {
   T* dx;
   int hidden;
   float scale;
-  __device__ float operator()(int64_t r, int c) const {
+  template <int N>
+  __device__ void operator()(int64_t r, int c, float (&v)[1][N]) const {
     const int64_t e = r * hidden + c;
-    const float d = mask ? (mask[e] ? to_f(dout[e]) * scale : 0.f) : to_f(dout[e]);
-    dx[e] = from_f<T>(d);
-    return d;
+    bool keep[N];
+    load<T, N>(dout + e, v[0]);
+    if (mask) load_mask<N>(mask + e, keep);
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[0][i] = (!mask || keep[i]) ? v[0][i] * scale : 0.f;
+    store<T, N>(dx + e, v[0]);
   }
 };
 
@@ -64,7 +68,8 @@ void bias_dropout_residual_backward(DType dt, const void* dout, const uint8_t* m
                                     float* partial, int64_t rows, int hidden, float p, cudaStream_t stream) {
   LS_DISPATCH(dt, {
     BdrBackwardMap<T> f{(const T*)dout, mask, (T*)dx, hidden, p > 0.f ? 1.f / (1.f - p) : 1.f};
-    map_column_sum<T>(f, (T*)dbias, partial, rows, hidden, stream);
+    T* const out[1] = {(T*)dbias};
+    map_column_sum<T, 1>(f, aligned16(dout) && aligned16(dx), out, partial, rows, hidden, stream);
   })
 }
 

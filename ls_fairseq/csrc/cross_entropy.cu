@@ -20,7 +20,18 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2
   m = mx;
 }
 
-template <typename T>
+// The row's elements in 16-byte vectors (V) when the row allows, else one by one.
+template <typename T, int V, typename F>
+__device__ __forceinline__ void for_row(const T* x, int vocab, F&& f) {
+  for (int j = threadIdx.x * V; j < vocab; j += blockDim.x * V) {
+    float v[V];
+    load<T, V>(x + j, v);
+#pragma unroll
+    for (int i = 0; i < V; ++i) f(j + i, v[i]);
+  }
+}
+
+template <typename T, int V>
 __global__ void ce_forward_kernel(const T* __restrict__ logits, const int64_t* __restrict__ target,
                                   float* __restrict__ loss, float* __restrict__ nll, float* __restrict__ lse_out,
                                   int vocab, float epsilon, int padding_idx) {
@@ -28,16 +39,15 @@ __global__ void ce_forward_kernel(const T* __restrict__ logits, const int64_t* _
   const int64_t row = blockIdx.x;
   const T* x = logits + row * vocab;
   float m = -INFINITY, s = 0.f, sumx = 0.f;
-  for (int j = threadIdx.x; j < vocab; j += blockDim.x) {  // one exp per element
-    const float v = to_f(x[j]);
+  for_row<T, V>(x, vocab, [&](int, float v) {  // one exp per element
     sumx += v;
     if (v > m) {
-      s = s * expf(m - v) + 1.f;
+      s = s * __expf(m - v) + 1.f;
       m = v;
     } else if (v != -INFINITY) {
-      s += expf(v - m);
+      s += __expf(v - m);
     }
-  }
+  });
   for (int o = 16; o > 0; o >>= 1) {
     const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
     lse_merge(m, s, m2, s2);
@@ -70,7 +80,7 @@ __global__ void ce_forward_kernel(const T* __restrict__ logits, const int64_t* _
   }
 }
 
-template <typename T>
+template <typename T, int V>
 __global__ void ce_backward_kernel(const float* __restrict__ dloss, const float* __restrict__ dnll,
                                    const T* __restrict__ logits, const int64_t* __restrict__ target,
                                    const float* __restrict__ lse, T* __restrict__ dlogits, int vocab, float epsilon,
@@ -82,18 +92,34 @@ __global__ void ce_backward_kernel(const float* __restrict__ dloss, const float*
   const float eps_i = epsilon / (vocab - 1), c = 1.f - epsilon - eps_i;
   const T* x = logits + row * vocab;
   T* dx = dlogits + row * vocab;
-  for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
-    const float p = expf(to_f(x[j]) - l), hit = j == t ? 1.f : 0.f;
-    dx[j] = from_f<T>(gl * (p - eps_i - c * hit) + gn * (p - hit));
+  for (int j = threadIdx.x * V; j < vocab; j += blockDim.x * V) {
+    float v[V];
+    load<T, V>(x + j, v);
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float p = __expf(v[i] - l), hit = j + i == t ? 1.f : 0.f;
+      v[i] = gl * (p - eps_i - c * hit) + gn * (p - hit);
+    }
+    store<T, V>(dx + j, v);
   }
+}
+
+// Vectorized when every row starts 16-byte aligned.
+template <typename T>
+bool rows_vectorizable(const void* p, int vocab) {
+  return aligned16(p) && vocab % kVec<T> == 0;
 }
 
 void cross_entropy_forward(DType dt, const void* logits, const int64_t* target, float* loss, float* nll, float* lse,
                            int64_t n, int vocab, float epsilon, int padding_idx, cudaStream_t stream) {
   if (n == 0) return;
   LS_DISPATCH(dt, {
-    ce_forward_kernel<T><<<n, 512, 0, stream>>>((const T*)logits, target, loss, nll, lse, vocab, epsilon,
-                                                padding_idx);
+    if (rows_vectorizable<T>(logits, vocab))
+      ce_forward_kernel<T, kVec<T>><<<n, 512, 0, stream>>>((const T*)logits, target, loss, nll, lse, vocab, epsilon,
+                                                           padding_idx);
+    else
+      ce_forward_kernel<T, 1><<<n, 512, 0, stream>>>((const T*)logits, target, loss, nll, lse, vocab, epsilon,
+                                                     padding_idx);
   })
 }
 
@@ -102,8 +128,12 @@ void cross_entropy_backward(DType dt, const float* dloss, const float* dnll, con
                             float epsilon, int padding_idx, cudaStream_t stream) {
   if (n == 0) return;
   LS_DISPATCH(dt, {
-    ce_backward_kernel<T><<<n, 512, 0, stream>>>(dloss, dnll, (const T*)logits, target, lse, (T*)dlogits, vocab,
-                                                 epsilon, padding_idx);
+    if (rows_vectorizable<T>(logits, vocab) && aligned16(dlogits))
+      ce_backward_kernel<T, kVec<T>><<<n, 512, 0, stream>>>(dloss, dnll, (const T*)logits, target, lse, (T*)dlogits,
+                                                            vocab, epsilon, padding_idx);
+    else
+      ce_backward_kernel<T, 1><<<n, 512, 0, stream>>>(dloss, dnll, (const T*)logits, target, lse, (T*)dlogits, vocab,
+                                                      epsilon, padding_idx);
   })
 }
 

@@ -21,17 +21,18 @@ __global__ void dropout_map_kernel(F f, T* __restrict__ out, uint8_t* __restrict
        base += int64_t(gridDim.x) * blockDim.x * V) {
     if (base + V <= n) {
       float v[V];
+      bool keep[V];
       f.template values<V>(base, v);
 #pragma unroll
       for (int i = 0; i < V; i += 4) {
         bool k[4] = {true, true, true, true};
         if (p > 0.f) keep4(rng, (base + i) >> 2, p, k);
 #pragma unroll
-        for (int j = 0; j < 4 && i + j < V; ++j) {
-          v[i + j] = k[j] ? v[i + j] * scale : 0.f;
-          if (mask) mask[base + i + j] = k[j];
-        }
+        for (int j = 0; j < 4 && i + j < V; ++j) keep[i + j] = k[j];
       }
+#pragma unroll
+      for (int i = 0; i < V; ++i) v[i] = keep[i] ? v[i] * scale : 0.f;
+      if (mask) store_mask<V>(mask + base, keep);
       f.template finish<V>(base, v);
       store<T, V>(out + base, v);
     } else {

@@ -29,7 +29,7 @@ struct EmbForward {
   template <int N>
   __device__ void values(int64_t e, float (&v)[N]) const {
     const int64_t i = e / dim;
-    const int c = int(e % dim);
+    const int c = int(e - i * dim);
     const int64_t tok = tokens[i], pos = positions[i];
     if (tok == padding_idx) {
 #pragma unroll

@@ -2,8 +2,10 @@
 // One pass for the statistics (LightSeq2's rewritten reduction): each thread
 // accumulates sum(x - s) and sum((x - s)^2), s = the row's first element as a
 // shift that guards E[d^2] - E[d]^2 against cancellation when |mean| >> std,
-// and both sums go through one block reduction. mean and rstd (fp32, one per
-// row) are the only statistics written; backward needs x, gamma and them.
+// and both sums go through one reduction. Rows of up to 32 x 16 vectors take
+// one warp each, held in registers (read once, written once, warp shuffles
+// only); other rows take a block and loop. mean and rstd (fp32, one per row)
+// are the only statistics written; backward needs x, gamma and them.
 // Backward:
 //   xhat = (x - mean) * rstd, g = dy * gamma
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))  (the two means in one reduction)
@@ -14,126 +16,170 @@
 
 namespace ls {
 
-// Threads for one row: enough for one access each, a multiple of 32, at most 1024.
-inline int row_threads(int accesses) {
-  const int t = (accesses + 31) / 32 * 32;
-  return t < 32 ? 32 : (t > 1024 ? 1024 : t);
+// Reduction of two values over the lanes of a warp, or over the block.
+template <bool WARP>
+__device__ __forceinline__ void row_sum2(float& a, float& b) {
+  if (WARP) {
+    a = warp_sum(a);
+    b = warp_sum(b);
+  } else {
+    block_sum2(a, b);
+  }
 }
 
-template <typename T, int V>
+// A row is handled by a warp (WARP: ITEMS vectors per lane, in registers) or by a
+// block (ITEMS = 1, looping over the row twice).
+template <typename T, int V, int ITEMS, bool WARP>
 __global__ void ln_forward_kernel(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
                                   T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-                                  int hidden, float eps) {
-  const int64_t row = blockIdx.x;
+                                  int64_t rows, int hidden, float eps) {
+  const int lane = WARP ? threadIdx.x & 31 : threadIdx.x, width = WARP ? 32 : blockDim.x;
+  const int64_t row = WARP ? int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32 : blockIdx.x;
+  if (row >= rows) return;
   const T* xr = x + row * hidden;
-  T* yr = y + row * hidden;
   const float shift = to_f(xr[0]);
-  float s1 = 0.f, s2 = 0.f;
-  for (int c = threadIdx.x * V; c < hidden; c += blockDim.x * V) {
-    float v[V];
-    load<T, V>(xr + c, v);
+  float v[ITEMS][V], s1 = 0.f, s2 = 0.f;
+  for (int c0 = 0; c0 < hidden; c0 += width * V * ITEMS) {
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float d = v[i] - shift;
-      s1 += d;
-      s2 += d * d;
+    for (int it = 0; it < ITEMS; ++it) {
+      const int c = c0 + (it * width + lane) * V;
+      if (c < hidden) {
+        load<T, V>(xr + c, v[it]);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float d = v[it][i] - shift;
+          s1 += d;
+          s2 += d * d;
+        }
+      }
     }
   }
-  block_sum2(s1, s2);
+  row_sum2<WARP>(s1, s2);
   const float m1 = s1 / hidden;
-  const float var = fmaxf(s2 / hidden - m1 * m1, 0.f);
-  const float mean = m1 + shift, rstd = rsqrtf(var + eps);
-  if (threadIdx.x == 0) {
+  const float mean = m1 + shift, rstd = rsqrtf(fmaxf(s2 / hidden - m1 * m1, 0.f) + eps);
+  if (lane == 0) {
     mean_out[row] = mean;
     rstd_out[row] = rstd;
   }
-  for (int c = threadIdx.x * V; c < hidden; c += blockDim.x * V) {
-    float v[V], g[V], b[V];
-    load<T, V>(xr + c, v);
-    load<T, V>(gamma + c, g);
-    load<T, V>(beta + c, b);
+  for (int c0 = 0; c0 < hidden; c0 += width * V * ITEMS) {
 #pragma unroll
-    for (int i = 0; i < V; ++i) v[i] = (v[i] - mean) * rstd * g[i] + b[i];
-    store<T, V>(yr + c, v);
+    for (int it = 0; it < ITEMS; ++it) {
+      const int c = c0 + (it * width + lane) * V;
+      if (c < hidden) {
+        float g[V], b[V];
+        if (!WARP) load<T, V>(xr + c, v[it]);
+        load<T, V>(gamma + c, g);
+        load<T, V>(beta + c, b);
+#pragma unroll
+        for (int i = 0; i < V; ++i) v[it][i] = (v[it][i] - mean) * rstd * g[i] + b[i];
+        store<T, V>(y + row * hidden + c, v[it]);
+      }
+    }
   }
 }
 
-template <typename T, int V>
+template <typename T, int V, int ITEMS, bool WARP>
 __global__ void ln_backward_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
                                       const float* __restrict__ mean, const float* __restrict__ rstd,
-                                      T* __restrict__ dx, int hidden) {
-  const int64_t row = blockIdx.x;
+                                      T* __restrict__ dx, int64_t rows, int hidden) {
+  const int lane = WARP ? threadIdx.x & 31 : threadIdx.x, width = WARP ? 32 : blockDim.x;
+  const int64_t row = WARP ? int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32 : blockIdx.x;
+  if (row >= rows) return;
   const T *dyr = dy + row * hidden, *xr = x + row * hidden;
   const float mu = mean[row], rs = rstd[row];
-  float sg = 0.f, sgx = 0.f;
-  for (int c = threadIdx.x * V; c < hidden; c += blockDim.x * V) {
-    float d[V], v[V], g[V];
-    load<T, V>(dyr + c, d);
-    load<T, V>(xr + c, v);
-    load<T, V>(gamma + c, g);
+  float g[ITEMS][V], xh[ITEMS][V], sg = 0.f, sgx = 0.f;
+  for (int c0 = 0; c0 < hidden; c0 += width * V * ITEMS) {
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float gi = d[i] * g[i];
-      sg += gi;
-      sgx += gi * (v[i] - mu) * rs;
+    for (int it = 0; it < ITEMS; ++it) {
+      const int c = c0 + (it * width + lane) * V;
+      if (c < hidden) {
+        float gm[V];
+        load<T, V>(dyr + c, g[it]);
+        load<T, V>(xr + c, xh[it]);
+        load<T, V>(gamma + c, gm);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          g[it][i] *= gm[i];
+          xh[it][i] = (xh[it][i] - mu) * rs;
+          sg += g[it][i];
+          sgx += g[it][i] * xh[it][i];
+        }
+      }
     }
   }
-  block_sum2(sg, sgx);
+  row_sum2<WARP>(sg, sgx);
   const float mg = sg / hidden, mgx = sgx / hidden;
-  for (int c = threadIdx.x * V; c < hidden; c += blockDim.x * V) {
-    float d[V], v[V], g[V];
-    load<T, V>(dyr + c, d);
-    load<T, V>(xr + c, v);
-    load<T, V>(gamma + c, g);
+  for (int c0 = 0; c0 < hidden; c0 += width * V * ITEMS) {
 #pragma unroll
-    for (int i = 0; i < V; ++i) d[i] = rs * (d[i] * g[i] - mg - (v[i] - mu) * rs * mgx);
-    store<T, V>(dx + row * hidden + c, d);
+    for (int it = 0; it < ITEMS; ++it) {
+      const int c = c0 + (it * width + lane) * V;
+      if (c < hidden) {
+        if (!WARP) {
+          float gm[V];
+          load<T, V>(dyr + c, g[it]);
+          load<T, V>(xr + c, xh[it]);
+          load<T, V>(gamma + c, gm);
+#pragma unroll
+          for (int i = 0; i < V; ++i) {
+            g[it][i] *= gm[i];
+            xh[it][i] = (xh[it][i] - mu) * rs;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < V; ++i) g[it][i] = rs * (g[it][i] - mg - xh[it][i] * mgx);
+        store<T, V>(dx + row * hidden + c, g[it]);
+      }
+    }
   }
 }
 
-// Stage one of dgamma / dbeta: per (row chunk, column) partial sums of dy * xhat and dy.
+// dgamma and dbeta: the sums of dy * xhat and of dy over rows.
 template <typename T>
-__global__ void ln_param_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                        const float* __restrict__ mean, const float* __restrict__ rstd,
-                                        float* __restrict__ partial_g, float* __restrict__ partial_b, int64_t rows,
-                                        int hidden, int64_t chunk_rows) {
-  __shared__ float sg[kRowTile][kColTile + 1], sb[kRowTile][kColTile + 1];
-  const int col = blockIdx.x * kColTile + threadIdx.x;
-  const int64_t r0 = blockIdx.y * chunk_rows;
-  const int64_t r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
-  float ag = 0.f, ab = 0.f;
-  if (col < hidden)
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowTile) {
-      const float d = to_f(dy[r * hidden + col]);
-      ag += d * (to_f(x[r * hidden + col]) - mean[r]) * rstd[r];
-      ab += d;
-    }
-  sg[threadIdx.y][threadIdx.x] = ag;
-  sb[threadIdx.y][threadIdx.x] = ab;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < hidden) {
-    float tg = 0.f, tb = 0.f;
+struct LnParamMap {
+  const T* dy;
+  const T* x;
+  const float* mean;
+  const float* rstd;
+  int hidden;
+  template <int N>
+  __device__ void operator()(int64_t r, int c, float (&v)[2][N]) const {
+    float xv[N];
+    load<T, N>(dy + r * hidden + c, v[1]);
+    load<T, N>(x + r * hidden + c, xv);
+    const float mu = mean[r], rs = rstd[r];
 #pragma unroll
-    for (int i = 0; i < kRowTile; ++i) {
-      tg += sg[i][threadIdx.x];
-      tb += sb[i][threadIdx.x];
-    }
-    partial_g[blockIdx.y * int64_t(hidden) + col] = tg;
-    partial_b[blockIdx.y * int64_t(hidden) + col] = tb;
+    for (int i = 0; i < N; ++i) v[0][i] = v[1][i] * (xv[i] - mu) * rs;
   }
+};
+
+constexpr int kRowsPerBlock = 4;
+
+// Launches `kernel<T, V, ITEMS, WARP>` for the row length: a warp per row with the
+// row in registers when it fits 32 x 16 vectors, else a block per row.
+template <typename T, int V, typename Launch>
+void by_row_length(int hidden, int64_t rows, Launch&& launch) {
+  const int vectors = hidden / V;
+  const int warp_grid = ceil_div(rows, kRowsPerBlock), warp_block = 32 * kRowsPerBlock;
+  if (vectors <= 32) launch.template operator()<V, 1, true>(warp_grid, warp_block);
+  else if (vectors <= 64) launch.template operator()<V, 2, true>(warp_grid, warp_block);
+  else if (vectors <= 128) launch.template operator()<V, 4, true>(warp_grid, warp_block);
+  else if (vectors <= 256) launch.template operator()<V, 8, true>(warp_grid, warp_block);
+  else if (vectors <= 512) launch.template operator()<V, 16, true>(warp_grid, warp_block);
+  else launch.template operator()<V, 1, false>(int(rows), 1024);
 }
 
 void layer_norm_forward(DType dt, const void* x, const void* gamma, const void* beta, void* y, float* mean, float* rstd,
                         int64_t rows, int hidden, float eps, cudaStream_t stream) {
   if (rows == 0) return;
   LS_DISPATCH(dt, {
-    constexpr int V = kVec<T>;
-    if (hidden % V == 0 && aligned16(x) && aligned16(gamma) && aligned16(beta) && aligned16(y))
-      ln_forward_kernel<T, V><<<rows, row_threads(hidden / V), 0, stream>>>(
-          (const T*)x, (const T*)gamma, (const T*)beta, (T*)y, mean, rstd, hidden, eps);
+    auto launch = [&]<int V, int ITEMS, bool WARP>(int grid, int block) {
+      ln_forward_kernel<T, V, ITEMS, WARP><<<grid, block, 0, stream>>>(
+          (const T*)x, (const T*)gamma, (const T*)beta, (T*)y, mean, rstd, rows, hidden, eps);
+    };
+    if (hidden % kVec<T> == 0 && aligned16(x) && aligned16(gamma) && aligned16(beta) && aligned16(y))
+      by_row_length<T, kVec<T>>(hidden, rows, launch);
     else
-      ln_forward_kernel<T, 1><<<rows, row_threads(hidden), 0, stream>>>(
-          (const T*)x, (const T*)gamma, (const T*)beta, (T*)y, mean, rstd, hidden, eps);
+      by_row_length<T, 1>(hidden, rows, launch);
   })
 }
 
@@ -141,22 +187,20 @@ void layer_norm_backward(DType dt, const void* dy, const void* x, const void* ga
                          const float* rstd, void* dx, void* dgamma, void* dbeta, float* partial, int64_t rows,
                          int hidden, cudaStream_t stream) {
   LS_DISPATCH(dt, {
-    constexpr int V = kVec<T>;
+    const bool vec = hidden % kVec<T> == 0 && aligned16(dy) && aligned16(x) && aligned16(gamma) && aligned16(dx);
     if (rows > 0) {
-      if (hidden % V == 0 && aligned16(dy) && aligned16(x) && aligned16(gamma) && aligned16(dx))
-        ln_backward_dx_kernel<T, V><<<rows, row_threads(hidden / V), 0, stream>>>(
-            (const T*)dy, (const T*)x, (const T*)gamma, mean, rstd, (T*)dx, hidden);
+      auto launch = [&]<int V, int ITEMS, bool WARP>(int grid, int block) {
+        ln_backward_dx_kernel<T, V, ITEMS, WARP><<<grid, block, 0, stream>>>(
+            (const T*)dy, (const T*)x, (const T*)gamma, mean, rstd, (T*)dx, rows, hidden);
+      };
+      if (vec)
+        by_row_length<T, kVec<T>>(hidden, rows, launch);
       else
-        ln_backward_dx_kernel<T, 1><<<rows, row_threads(hidden), 0, stream>>>(
-            (const T*)dy, (const T*)x, (const T*)gamma, mean, rstd, (T*)dx, hidden);
+        by_row_length<T, 1>(hidden, rows, launch);
     }
-    const int chunks = column_chunks(rows);
-    const int64_t chunk_rows = (rows + chunks - 1) / chunks;
-    float* partial_b = partial + int64_t(chunks) * hidden;
-    ln_param_partial_kernel<T><<<dim3(ceil_div(hidden, kColTile), chunks), dim3(kColTile, kRowTile), 0, stream>>>(
-        (const T*)dy, (const T*)x, mean, rstd, partial, partial_b, rows, hidden, chunk_rows);
-    column_sum_finish_kernel<T><<<ceil_div(hidden, 256), 256, 0, stream>>>(partial, chunks, hidden, (T*)dgamma);
-    column_sum_finish_kernel<T><<<ceil_div(hidden, 256), 256, 0, stream>>>(partial_b, chunks, hidden, (T*)dbeta);
+    T* const out[2] = {(T*)dgamma, (T*)dbeta};
+    map_column_sum<T, 2>(LnParamMap<T>{(const T*)dy, (const T*)x, mean, rstd, hidden}, vec, out, partial, rows, hidden,
+                         stream);
   })
 }
 

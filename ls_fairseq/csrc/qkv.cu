@@ -22,21 +22,24 @@ struct HeadLayout {
   }
 };
 
+// One block per row (b, t) of x: the row's position in the output is computed once.
 template <typename T, int V>
 __global__ void qkv_forward_kernel(const T* __restrict__ x, const T* __restrict__ bias, T* __restrict__ out,
-                                   HeadLayout L, float first_scale, int64_t n) {
+                                   HeadLayout L, float first_scale) {
   const int cols = L.parts * L.heads * L.head_dim, d = L.heads * L.head_dim;
-  for (int64_t e = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V; e < n;
-       e += int64_t(gridDim.x) * blockDim.x * V) {
-    const int64_t row = e / cols;
-    const int c = int(e % cols);
-    float v[V], b[V];
-    load<T, V>(x + e, v);
-    load<T, V>(bias + c, b);
-    const float s = c < d ? first_scale : 1.f;
+  const int64_t row = blockIdx.x;
+  const int64_t b = row / L.len, t = row % L.len;
+  const int64_t part_stride = int64_t(L.batch) * L.heads * L.len * L.head_dim;
+  T* dst = out + (b * L.heads * L.len + t) * L.head_dim;
+  for (int c = threadIdx.x * V; c < cols; c += blockDim.x * V) {
+    float v[V], bv[V];
+    load<T, V>(x + row * cols + c, v);
+    load<T, V>(bias + c, bv);
+    const int part = c / d, h = (c % d) / L.head_dim, i = c % L.head_dim;
+    const float s = part == 0 ? first_scale : 1.f;
 #pragma unroll
-    for (int i = 0; i < V; ++i) v[i] = (v[i] + b[i]) * s;
-    store<T, V>(out + L.split_offset(row, c), v);
+    for (int k = 0; k < V; ++k) v[k] = (v[k] + bv[k]) * s;
+    store<T, V>(dst + part * part_stride + int64_t(h) * L.len * L.head_dim + i, v);
   }
 }
 
@@ -46,27 +49,32 @@ struct QkvBackwardMap {
   T* dx;
   HeadLayout L;
   float first_scale;
-  __device__ float operator()(int64_t r, int c) const {
+  template <int N>  // N columns inside one head (head_dim % N == 0)
+  __device__ void operator()(int64_t r, int c, float (&v)[1][N]) const {
     const int cols = L.parts * L.heads * L.head_dim;
-    const float v = to_f(dy[L.split_offset(r, c)]) * (c < L.heads * L.head_dim ? first_scale : 1.f);
-    dx[r * cols + c] = from_f<T>(v);
-    return v;
+    const float s = c < L.heads * L.head_dim ? first_scale : 1.f;
+    load<T, N>(dy + L.split_offset(r, c), v[0]);
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[0][i] *= s;
+    store<T, N>(dx + r * cols + c, v[0]);
   }
 };
 
 void qkv_forward(DType dt, const void* x, const void* bias, void* out, int batch, int len, int parts, int heads,
                  int head_dim, float first_scale, cudaStream_t stream) {
-  const int64_t n = int64_t(batch) * len * parts * heads * head_dim;
-  if (n == 0) return;
+  const int64_t rows = int64_t(batch) * len;
+  const int cols = parts * heads * head_dim;
+  if (rows == 0) return;
   HeadLayout L{batch, len, parts, heads, head_dim};
   LS_DISPATCH(dt, {
     constexpr int V = kVec<T>;
-    if (head_dim % V == 0 && aligned16(x) && aligned16(bias) && aligned16(out))
-      qkv_forward_kernel<T, V><<<ceil_div(n, 256 * V), 256, 0, stream>>>((const T*)x, (const T*)bias, (T*)out, L,
-                                                                          first_scale, n);
+    const bool vec = head_dim % V == 0 && aligned16(x) && aligned16(bias) && aligned16(out);
+    const int accesses = vec ? cols / V : cols;
+    const int threads = accesses < 512 ? (accesses + 31) / 32 * 32 : 512;
+    if (vec)
+      qkv_forward_kernel<T, V><<<rows, threads, 0, stream>>>((const T*)x, (const T*)bias, (T*)out, L, first_scale);
     else
-      qkv_forward_kernel<T, 1><<<ceil_div(n, 256), 256, 0, stream>>>((const T*)x, (const T*)bias, (T*)out, L,
-                                                                      first_scale, n);
+      qkv_forward_kernel<T, 1><<<rows, threads, 0, stream>>>((const T*)x, (const T*)bias, (T*)out, L, first_scale);
   })
 }
 
@@ -74,8 +82,10 @@ void qkv_backward(DType dt, const void* dy, void* dx, void* dbias, float* partia
                   int heads, int head_dim, float first_scale, cudaStream_t stream) {
   HeadLayout L{batch, len, parts, heads, head_dim};
   LS_DISPATCH(dt, {
-    map_column_sum<T>(QkvBackwardMap<T>{(const T*)dy, (T*)dx, L, first_scale}, (T*)dbias, partial,
-                      int64_t(batch) * len, parts * heads * head_dim, stream);
+    T* const out[1] = {(T*)dbias};
+    const bool vec = head_dim % kVec<T> == 0 && aligned16(dy) && aligned16(dx);
+    map_column_sum<T, 1>(QkvBackwardMap<T>{(const T*)dy, (T*)dx, L, first_scale}, vec, out, partial,
+                         int64_t(batch) * len, parts * heads * head_dim, stream);
   })
 }
 

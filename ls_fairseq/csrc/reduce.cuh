@@ -1,33 +1,50 @@
 // Two-stage deterministic column reduction fused with an elementwise map:
-// stage one evaluates f(row, col) for a chunk of rows, optionally stores it, and
-// writes one fp32 partial sum per (chunk, column); stage two adds the chunks up
-// in a fixed order and writes the column sums in the storage type. Used by every
-// bias gradient (the map being the op's own dx), so dx is written once and
-// never read back.
+// stage one evaluates K values per element of a [rows, cols] matrix with f (which
+// may also store what it computes, e.g. the op's dx), and writes K fp32 partial
+// sums per (row chunk, column); stage two adds the chunks up in a fixed order and
+// writes the K column sums in the storage type. Used by every bias gradient and
+// by LayerNorm's gamma/beta gradients, so dx is written once and never re-read.
+// A thread handles V adjacent columns (16-byte accesses when the caller allows),
+// a block 32 * V columns by 8 rows at a time.
+//   f: template <int N> __device__ void operator()(int64_t row, int col, float (&v)[K][N]) const;
 #pragma once
 
 #include "common.cuh"
 
 namespace ls {
 
-constexpr int kColTile = 32, kRowTile = 8;
+constexpr int kRowTile = 8;
 
-template <typename F>
+template <int K, int V, typename F>
 __global__ void map_column_sum_kernel(F f, float* __restrict__ partial, int64_t rows, int cols, int64_t chunk_rows) {
-  __shared__ float acc_s[kRowTile][kColTile + 1];
-  const int col = blockIdx.x * kColTile + threadIdx.x;
+  __shared__ float acc_s[kRowTile][K][32 * V + 1];
+  const int col0 = (blockIdx.x * 32 + threadIdx.x) * V;
   const int64_t r0 = blockIdx.y * chunk_rows;
   const int64_t r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
-  float acc = 0.f;
-  if (col < cols)
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowTile) acc += f(r, col);
-  acc_s[threadIdx.y][threadIdx.x] = acc;
+  float acc[K][V] = {};
+  if (col0 < cols)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowTile) {
+      float v[K][V];
+      f.template operator()<V>(r, col0, v);
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[k][i] += v[k][i];
+    }
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc_s[threadIdx.y][k][threadIdx.x * V + i] = acc[k][i];
   __syncthreads();
-  if (threadIdx.y == 0 && col < cols) {
+  // 32 * V columns x K sums, reduced over the 8 row lanes by all 256 threads
+  for (int idx = threadIdx.y * 32 + threadIdx.x; idx < K * 32 * V; idx += 32 * kRowTile) {
+    const int k = idx / (32 * V), c = idx % (32 * V);
+    const int col = blockIdx.x * 32 * V + c;
+    if (col >= cols) continue;
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < kRowTile; ++i) s += acc_s[i][threadIdx.x];
-    partial[blockIdx.y * int64_t(cols) + col] = s;
+    for (int r = 0; r < kRowTile; ++r) s += acc_s[r][k][c];
+    partial[(int64_t(k) * gridDim.y + blockIdx.y) * cols + col] = s;
   }
 }
 
@@ -40,14 +57,23 @@ __global__ void column_sum_finish_kernel(const float* __restrict__ partial, int 
   out[col] = from_f<T>(s);
 }
 
-// out[col] = sum over rows of f(row, col); f may also store what it computes.
-template <typename T, typename F>
-void map_column_sum(F f, T* out, float* partial, int64_t rows, int cols, cudaStream_t stream) {
+// out[k][col] = sum over rows of the k-th value f gives for (row, col); partial holds
+// K x column_chunks(rows) x cols floats.
+template <typename T, int K, typename F>
+void map_column_sum(F f, bool vectorizable, T* const (&out)[K], float* partial, int64_t rows, int cols,
+                    cudaStream_t stream) {
   const int chunks = column_chunks(rows);
   const int64_t chunk_rows = (rows + chunks - 1) / chunks;
-  map_column_sum_kernel<<<dim3(ceil_div(cols, kColTile), chunks), dim3(kColTile, kRowTile), 0, stream>>>(
-      f, partial, rows, cols, chunk_rows);
-  column_sum_finish_kernel<T><<<ceil_div(cols, 256), 256, 0, stream>>>(partial, chunks, cols, out);
+  constexpr int V = kVec<T>;
+  if (vectorizable && cols % V == 0)
+    map_column_sum_kernel<K, V><<<dim3(ceil_div(cols, 32 * V), chunks), dim3(32, kRowTile), 0, stream>>>(
+        f, partial, rows, cols, chunk_rows);
+  else
+    map_column_sum_kernel<K, 1><<<dim3(ceil_div(cols, 32), chunks), dim3(32, kRowTile), 0, stream>>>(
+        f, partial, rows, cols, chunk_rows);
+  for (int k = 0; k < K; ++k)
+    column_sum_finish_kernel<T><<<ceil_div(cols, 256), 256, 0, stream>>>(partial + int64_t(k) * chunks * cols, chunks,
+                                                                         cols, out[k]);
 }
 
 }  // namespace ls

@@ -16,11 +16,18 @@ struct RowInfo {
   const uint8_t* key_padding;
   bool causal;
   int heads, tq, tk;
-  __device__ bool masked(int64_t row, int j) const {
-    const int64_t b = row / (int64_t(heads) * tq);
-    const int i = int(row % tq);
-    return (key_padding && key_padding[b * tk + j]) || (causal && j > i + tk - tq);
+};
+
+// The masks of one row, resolved once per row: key j is masked when padded or after `last`.
+struct RowMask {
+  const uint8_t* padding;
+  int last;
+  __device__ RowMask(const RowInfo& info, int64_t row) {
+    const int64_t b = row / (int64_t(info.heads) * info.tq);
+    padding = info.key_padding ? info.key_padding + b * info.tk : nullptr;
+    last = info.causal ? int(row % info.tq) + info.tk - info.tq : info.tk - 1;
   }
+  __device__ bool operator()(int j) const { return j > last || (padding && padding[j]); }
 };
 
 template <typename T, int ITEMS>
@@ -31,11 +38,12 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
   const int lane = threadIdx.x & 31, tk = info.tk;
   if (row >= rows) return;
   const T* s = scores + row * tk;
+  const RowMask masked(info, row);
   float v[ITEMS], m = -INFINITY;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     const int j = lane + 32 * k;
-    v[k] = (j < tk && !info.masked(row, j)) ? to_f(s[j]) : -INFINITY;
+    v[k] = (j < tk && !masked(j)) ? to_f(s[j]) : -INFINITY;
     m = fmaxf(m, v[k]);
   }
   m = warp_max(m);
@@ -69,18 +77,19 @@ __global__ void softmax_forward_block_kernel(const T* __restrict__ scores, RowIn
   const int64_t row = blockIdx.x;
   const int tk = info.tk;
   const T* s = scores + row * tk;
+  const RowMask masked(info, row);
   float m = -INFINITY;
   for (int j = threadIdx.x; j < tk; j += blockDim.x)
-    if (!info.masked(row, j)) m = fmaxf(m, to_f(s[j]));
+    if (!masked(j)) m = fmaxf(m, to_f(s[j]));
   m = block_max(m);
   float sum = 0.f;
   if (m != -INFINITY)
     for (int j = threadIdx.x; j < tk; j += blockDim.x)
-      if (!info.masked(row, j)) sum += expf(to_f(s[j]) - m);
+      if (!masked(j)) sum += expf(to_f(s[j]) - m);
   sum = block_sum(sum);
   const float inv = sum > 0.f ? 1.f / sum : 0.f, scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
   for (int j = threadIdx.x; j < tk; j += blockDim.x) {
-    const float e = (m == -INFINITY || info.masked(row, j)) ? 0.f : expf(to_f(s[j]) - m);
+    const float e = (m == -INFINITY || masked(j)) ? 0.f : expf(to_f(s[j]) - m);
     const T pr = from_f<T>(e * inv);
     probs[row * tk + j] = pr;
     if (p > 0.f) {

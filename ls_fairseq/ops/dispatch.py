@@ -72,10 +72,19 @@ def forced_reference(op):
     return "all" in names or op in names
 
 
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def use_kernel(op, tensor):
-    """True when ``op`` on ``tensor`` should run the compiled kernel."""
+    """True when ``op`` on ``tensor`` should run the compiled kernel (CUDA, a dtype the
+    kernels store: fp32, fp16 or bf16; fp64 stays on the reference)."""
     assert op in OPS, op
-    return tensor.is_cuda and not forced_reference(op) and _load_extension() is not None
+    return (
+        tensor.is_cuda
+        and tensor.dtype in KERNEL_DTYPES
+        and not forced_reference(op)
+        and _load_extension() is not None
+    )
 
 
 def kernel_path(op):
