@@ -1,0 +1,183 @@
+"""LightSeq2's training-speed experiment on one GPU: stock fairseq vs ls_fairseq.
+
+Trains transformer-big (and base) with the scaling_nmt hyper-parameters on the
+same synthetic WMT14-like data (synthetic.py), sweeping --max-tokens, through
+fairseq-train as users run it. Per point: steady-state wps (mean of the epoch
+summaries after the first, warm-up epoch), ups, peak GPU memory over the run,
+kernel launches and GPU time per step (bench_hooks), MFU, and the speed-up
+over stock fairseq --fp16 (its fastest setting). Writes results.json, a
+Markdown table (printed last), a PNG plot and TensorBoard scalars.
+
+  python bench.py --out results/DATE                       # core points: big, 4096/8192/16384
+  python bench.py --out results/DATE --full                # 512 .. 16384, big and base
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+PEAK_TFLOPS = 989.0  # dense fp16/bf16, H100/H200
+
+COMMON = [
+    "--share-all-embeddings", "--adam-betas", "(0.9,0.98)", "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt",
+    "--warmup-updates", "4000", "--dropout", "0.3", "--label-smoothing", "0.1", "--no-save", "--disable-validation",
+    "--log-format", "simple", "--log-interval", "10", "--num-workers", "2", "--seed", "1",
+]
+SYSTEMS = {
+    # name: (architecture prefix, criterion, optimizer, precision flags, loads the plugin)
+    "stock-fp16": ("", "label_smoothed_cross_entropy", "adam", ["--fp16"], False),
+    "ls-fp16": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--memory-efficient-fp16"], True),
+    "ls-fp16-master": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--fp16"], True),
+}
+ARCHS = {"big": "transformer_vaswani_wmt_en_de_big", "base": "transformer_wmt_en_de"}
+DIMS = {"big": (1024, 4096, 6, 6), "base": (512, 2048, 6, 6)}
+
+
+def flops_per_target_token(arch, src_per_tgt=28.0 / 30.0, vocab=32000, length=30.0):
+    """Training FLOPs (forward + backward = 3 x forward) per target token: 2 per
+    multiply-add of every GEMM, attention scores and context included."""
+    d, f, enc, dec = DIMS[arch]
+    enc_layer = 2 * (4 * d * d + 2 * d * f) + 2 * 2 * length * d
+    dec_layer = 2 * (4 * d * d + 2 * d * f + 4 * d * d) + 2 * 2 * length * d * 2
+    forward = enc * enc_layer * src_per_tgt + dec * dec_layer + 2 * d * vocab
+    return 3 * forward
+
+
+def run(system, arch, max_tokens, data, epochs, work):
+    prefix, criterion, optimizer, precision, with_ls = SYSTEMS[system]
+    name = "{}-{}-{}".format(arch, system, max_tokens)
+    hooks_out = os.path.join(work, name + ".hooks.json")
+    cmd = [sys.executable, "-m", "fairseq_cli.train", data, "--user-dir", os.path.join(HERE, "bench_hooks"),
+           "--arch", prefix + ARCHS[arch], "--criterion", criterion, "--optimizer", optimizer,
+           "--max-tokens", str(max_tokens), "--max-epoch", str(epochs),
+           "--tensorboard-logdir", os.path.join(work, "tensorboard", name)] + precision + COMMON
+    env = dict(os.environ, BENCH_HOOKS_OUT=hooks_out, BENCH_WITH_LS="1" if with_ls else "0",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    start = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    log = proc.stdout + proc.stderr
+    with open(os.path.join(work, name + ".log"), "w") as f:
+        f.write(log)
+    result = dict(system=system, arch=arch, max_tokens=max_tokens, seconds=time.time() - start, rc=proc.returncode)
+    if proc.returncode != 0:
+        result["error"] = log.strip().splitlines()[-1] if log.strip() else "no output"
+        return result
+    epochs_stats = {}
+    for m in re.finditer(r"\| train \| epoch (\d+) \|(.*)", log):
+        fields = dict(re.findall(r"(\w+) ([\d.]+)", m.group(2)))
+        epochs_stats[int(m.group(1))] = fields
+    steady = [v for k, v in epochs_stats.items() if k >= 2]
+    first = epochs_stats.get(1, {})
+    if steady:
+        result["wps"] = sum(float(v["wps"]) for v in steady) / len(steady)
+        result["ups"] = sum(float(v["ups"]) for v in steady) / len(steady)
+    result["first_epoch_wps"] = float(first["wps"]) if "wps" in first else None
+    if os.path.exists(hooks_out):
+        with open(hooks_out) as f:
+            hooks = json.load(f)
+        result["peak_gib"] = hooks["peak_bytes"] / 2**30
+        result["kernels_per_step"] = hooks.get("kernels_per_step")
+        result["gpu_ms_per_step"] = hooks.get("gpu_ms_per_step")
+    if "wps" in result:
+        result["mfu"] = result["wps"] * flops_per_target_token(arch) / (PEAK_TFLOPS * 1e12)
+    return result
+
+
+def table(results):
+    lines = ["| arch | max-tokens | system | wps (steady) | speed-up | ups | first-epoch wps | peak GiB | kernels/step | GPU ms/step | MFU |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    base = {(r["arch"], r["max_tokens"]): r.get("wps") for r in results if r["system"] == "stock-fp16"}
+    for r in results:
+        if "wps" not in r:
+            lines.append("| {arch} | {max_tokens} | {system} | failed: {e} | | | | | | | |".format(e=r.get("error", "?"), **r))
+            continue
+        ref = base.get((r["arch"], r["max_tokens"]))
+
+        def fmt(key, spec):
+            return spec.format(r[key]) if r.get(key) is not None else "-"
+
+        lines.append("| {} | {} | {} | {:.0f} | {} | {:.1f} | {} | {} | {} | {} | {:.1%} |".format(
+            r["arch"], r["max_tokens"], r["system"], r["wps"], "{:.2f}x".format(r["wps"] / ref) if ref else "-",
+            r["ups"], fmt("first_epoch_wps", "{:.0f}"), fmt("peak_gib", "{:.1f}"), fmt("kernels_per_step", "{:.0f}"),
+            fmt("gpu_ms_per_step", "{:.1f}"), r["mfu"]))
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for (arch, system) in sorted({(r["arch"], r["system"]) for r in results}):
+        pts = sorted((r["max_tokens"], r) for r in results if r["arch"] == arch and r["system"] == system and "wps" in r)
+        base = {r["max_tokens"]: r["wps"] for r in results if r["arch"] == arch and r["system"] == "stock-fp16" and "wps" in r}
+        xs = [m for m, _ in pts]
+        ax1.plot(xs, [r["wps"] / base[m] if m in base else float("nan") for m, r in pts], marker="o", label="{} {}".format(arch, system))
+        ax2.plot(xs, [r.get("peak_gib", float("nan")) for _, r in pts], marker="o", label="{} {}".format(arch, system))
+    for ax, title in ((ax1, "speed-up over stock fairseq --fp16"), (ax2, "peak GPU memory (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("--max-tokens")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def tensorboard(results, logdir):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(logdir)
+    for r in results:
+        if "wps" in r:
+            tag = "{}/{}".format(r["arch"], r["system"])
+            writer.add_scalar(tag + "/wps", r["wps"], r["max_tokens"])
+            writer.add_scalar(tag + "/peak_gib", r.get("peak_gib", 0.0), r["max_tokens"])
+            writer.add_scalar(tag + "/mfu", r["mfu"], r["max_tokens"])
+    writer.close()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="results folder")
+    parser.add_argument("--full", action="store_true", help="max-tokens 512..16384, big and base")
+    parser.add_argument("--max-tokens", default="4096,8192,16384")
+    parser.add_argument("--archs", default="big")
+    parser.add_argument("--systems", default="stock-fp16,ls-fp16")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=12000)
+    args = parser.parse_args()
+    if args.full:
+        args.max_tokens, args.archs = "512,1024,2048,4096,8192,16384", "big,base"
+    os.makedirs(args.out, exist_ok=True)
+    work = os.path.join(args.out, "runs")
+    os.makedirs(work, exist_ok=True)
+    data = os.path.join(work, "data-bin")
+    if not os.path.exists(os.path.join(data, "train.en-de.de.idx")):
+        subprocess.run([sys.executable, os.path.join(HERE, "synthetic.py"), "--out", data, "--pairs", str(args.pairs)], check=True)
+    results = []
+    for arch in args.archs.split(","):
+        for max_tokens in [int(m) for m in args.max_tokens.split(",")]:
+            for system in args.systems.split(","):
+                r = run(system, arch, max_tokens, data, args.epochs, work)
+                results.append(r)
+                print(json.dumps(r), flush=True)
+                with open(os.path.join(args.out, "results.json"), "w") as f:
+                    json.dump(results, f, indent=1)
+    md = table(results)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(md + "\n")
+    plot(results, os.path.join(args.out, "speedup.png"))
+    tensorboard(results, os.path.join(args.out, "tensorboard"))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

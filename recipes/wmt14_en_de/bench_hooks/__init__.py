@@ -1,0 +1,69 @@
+"""A fairseq --user-dir for the speed benchmark that only measures:
+
+- peak GPU memory over the whole run: fairseq resets the peak statistics every
+  step, so the peak is read just before each reset and the maximum is kept;
+- kernel launches per training step: torch.profiler over a few steps of the
+  warm-up epoch (counting kernels inside replayed CUDA graphs too);
+- the optimizer step's GPU time per update, from the same profile.
+
+Results go to the JSON file named by $BENCH_HOOKS_OUT at exit. With
+$BENCH_WITH_LS=1 it also loads the ls_fairseq plugin (fairseq takes one
+--user-dir). Nothing else about training changes.
+"""
+import atexit
+import json
+import os
+
+import torch
+
+if os.environ.get("BENCH_WITH_LS") == "1":
+    import ls_fairseq  # noqa: F401 (registers the plugin)
+
+from fairseq.trainer import Trainer  # noqa: E402
+
+PROFILE_FROM, PROFILE_STEPS = int(os.environ.get("BENCH_PROFILE_FROM", "15")), 3
+_stats = {"peak_bytes": 0}
+_reset = torch.cuda.reset_peak_memory_stats
+
+
+def _record_then_reset(*args, **kwargs):
+    if torch.cuda.is_available():
+        _stats["peak_bytes"] = max(_stats["peak_bytes"], torch.cuda.max_memory_allocated())
+    return _reset(*args, **kwargs)
+
+
+torch.cuda.reset_peak_memory_stats = _record_then_reset
+_train_step = Trainer.train_step
+_profiler = {"prof": None, "steps": 0}
+
+
+def _profiled_train_step(self, samples, raise_oom=False):
+    step = self.get_num_updates()
+    if step == PROFILE_FROM and _profiler["prof"] is None and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        _profiler["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        _profiler["prof"].__enter__()
+    out = _train_step(self, samples, raise_oom)
+    prof = _profiler["prof"]
+    if prof is not None and _profiler["steps"] < PROFILE_STEPS:
+        _profiler["steps"] += 1
+        if _profiler["steps"] == PROFILE_STEPS:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            _stats["kernels_per_step"] = len(kernels) / PROFILE_STEPS
+            _stats["gpu_ms_per_step"] = sum(e.device_time_total for e in kernels) / PROFILE_STEPS / 1000.0
+    return out
+
+
+Trainer.train_step = _profiled_train_step
+
+
+@atexit.register
+def _write():
+    if torch.cuda.is_available():
+        _stats["peak_bytes"] = max(_stats["peak_bytes"], torch.cuda.max_memory_allocated())
+    path = os.environ.get("BENCH_HOOKS_OUT")
+    if path:
+        with open(path, "w") as f:
+            json.dump(_stats, f)
