@@ -130,7 +130,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const T
   auto dx = torch::empty_like(x);
   auto dweight = torch::empty_like(weight);
   auto dbias = torch::empty_like(weight);
-  auto partial = torch::empty({2 * ls::column_chunks(rows) * int64_t(hidden)}, x.options().dtype(at::kFloat));
+  auto partial = torch::empty({2 * int64_t(ls::layer_norm_partial_rows(rows)) * hidden}, x.options().dtype(at::kFloat));
   ls::layer_norm_backward(dtype_of(x, "x"), dy.data_ptr(), x.data_ptr(), weight.data_ptr(), mean.data_ptr<float>(),
                           rstd.data_ptr<float>(), dx.data_ptr(), dweight.data_ptr(), dbias.data_ptr(),
                           partial.data_ptr<float>(), rows, hidden, stream());
@@ -305,9 +305,8 @@ void check_ids(const Tensor& ids, const char* name) {
 }
 
 std::tuple<Tensor, std::optional<Tensor>> embedding_forward(const Tensor& tokens, const Tensor& positions,
-                                                            const Tensor& weight,
-                                                            const std::optional<Tensor>& pos_weight, double scale,
-                                                            int64_t padding_idx, double p,
+                                                            const Tensor& weight, const Tensor& pos_weight,
+                                                            double scale, int64_t padding_idx, double p,
                                                             const std::optional<Tensor>& given) {
   check_ids(tokens, "tokens");
   check_ids(positions, "positions");
@@ -315,11 +314,9 @@ std::tuple<Tensor, std::optional<Tensor>> embedding_forward(const Tensor& tokens
   check(weight, "weight");
   TORCH_CHECK(weight.dim() == 2, "weight must be [vocab, dim], got ", weight.sizes());
   const int64_t dim = weight.size(1);
-  if (pos_weight) {
-    check_like(*pos_weight, weight, "pos_weight", "weight");
-    TORCH_CHECK(pos_weight->dim() == 2 && pos_weight->size(1) == dim, "pos_weight must be [positions, ", dim,
-                "], got ", pos_weight->sizes());
-  }
+  check_like(pos_weight, weight, "pos_weight", "weight");
+  TORCH_CHECK(pos_weight.dim() == 2 && pos_weight.size(1) == dim, "pos_weight must be [positions, ", dim, "], got ",
+              pos_weight.sizes());
   check_probability(p, "embedding");
   std::vector<int64_t> out_shape(tokens.sizes().begin(), tokens.sizes().end());
   out_shape.push_back(dim);
@@ -328,7 +325,7 @@ std::tuple<Tensor, std::optional<Tensor>> embedding_forward(const Tensor& tokens
   check_mask(given, out, "mask");
   auto [mask, rng] = dropout_mask(given, p, out);
   ls::embedding_forward(dtype_of(weight, "weight"), tokens.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
-                        weight.data_ptr(), pos_weight ? pos_weight->data_ptr() : nullptr, out.data_ptr(),
+                        weight.data_ptr(), pos_weight.data_ptr(), out.data_ptr(),
                         written_mask(given, mask), tokens.numel(), int(dim), float(scale), int(padding_idx), float(p),
                         rng, stream());
   CHECK_CUDA_OK();

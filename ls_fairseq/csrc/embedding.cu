@@ -1,6 +1,6 @@
-// embedding: out[i] = dropout(scale * weight[token_i] + pos(position_i)), zero
-// for padding tokens; pos from a learned table, or fairseq's sinusoid computed
-// on the fly in fp32 and rounded to the storage type (no table in memory).
+// embedding: out[i] = dropout(scale * weight[token_i] + pos_weight[position_i]),
+// zero for padding tokens; pos_weight is the learned table or fairseq's
+// sinusoid table (ls_fairseq/ops/embedding.py passes it).
 // Fuses: lookup, scale, positional add, padding zeroing, dropout (Philox mask,
 // one byte per element kept for backward).
 // Backward: dtable[t] = sum over tokens i with token_i = t != pad of
@@ -19,13 +19,7 @@ struct EmbForward {
   const T* weight;
   const T* pos_weight;
   int dim, padding_idx;
-  float scale, log_step;  // log_step = log(10000) / (dim / 2 - 1)
-  __device__ float sinusoid(int64_t pos, int c) const {
-    const int half = dim / 2;
-    if (c >= 2 * half) return 0.f;
-    const float angle = float(pos) * expf(float(c % half) * -log_step);
-    return to_f(from_f<T>(c < half ? sinf(angle) : cosf(angle)));
-  }
+  float scale;
   template <int N>
   __device__ void values(int64_t e, float (&v)[N]) const {
     const int64_t i = e / dim;
@@ -36,17 +30,11 @@ struct EmbForward {
       for (int k = 0; k < N; ++k) v[k] = 0.f;
       return;
     }
-    float w[N];
+    float w[N], pw[N];
     load<T, N>(weight + tok * dim + c, w);
-    if (pos_weight) {
-      float pw[N];
-      load<T, N>(pos_weight + pos * dim + c, pw);
+    load<T, N>(pos_weight + pos * dim + c, pw);
 #pragma unroll
-      for (int k = 0; k < N; ++k) v[k] = w[k] * scale + pw[k];
-    } else {
-#pragma unroll
-      for (int k = 0; k < N; ++k) v[k] = w[k] * scale + sinusoid(pos, c + k);
-    }
+    for (int k = 0; k < N; ++k) v[k] = w[k] * scale + pw[k];
   }
   template <int N>
   __device__ void finish(int64_t, float (&)[N]) const {}
@@ -74,10 +62,9 @@ __global__ void embedding_backward_kernel(const T* __restrict__ dout, const uint
 void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions, const void* weight,
                        const void* pos_weight, void* out, uint8_t* mask, int64_t n, int dim, float scale,
                        int padding_idx, float p, RngState rng, cudaStream_t stream) {
-  const float log_step = dim / 2 > 1 ? logf(10000.f) / float(dim / 2 - 1) : 0.f;
   LS_DISPATCH(dt, {
-    EmbForward<T> f{tokens, positions, (const T*)weight, (const T*)pos_weight, dim, padding_idx, scale, log_step};
-    const bool vec = dim % kVec<T> == 0 && aligned16(weight) && (!pos_weight || aligned16(pos_weight));
+    EmbForward<T> f{tokens, positions, (const T*)weight, (const T*)pos_weight, dim, padding_idx, scale};
+    const bool vec = dim % kVec<T> == 0 && aligned16(weight) && aligned16(pos_weight);
     dropout_map<T>(f, vec, (T*)out, mask, n * dim, p, rng, stream);
   })
 }

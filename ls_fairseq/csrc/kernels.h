@@ -27,7 +27,6 @@ void layer_norm_forward(DType dt, const void* x, const void* gamma, const void* 
 void layer_norm_backward(DType dt, const void* dy, const void* x, const void* gamma, const float* mean,
                          const float* rstd, void* dx, void* dgamma, void* dbeta, float* partial, int64_t rows,
                          int hidden, cudaStream_t stream);
-// partial: 2 x column_chunks(rows) x hidden floats
 
 // bias_dropout_residual.cu
 void bias_dropout_residual_forward(DType dt, const void* x, const void* bias, const void* residual, void* out,
@@ -45,11 +44,23 @@ void bias_act_dropout_backward(DType dt, const void* dout, const void* x, const 
 
 // Row chunks of the two-stage column reductions behind the bias (and gamma/beta)
 // gradients: stage one writes chunks x cols fp32 partial sums, stage two adds them
-// up in a fixed order, so the result is deterministic.
+// up in a fixed order, so the result is deterministic. About 32 rows a chunk, at
+// most 512 chunks: enough blocks in flight to saturate memory, partials a small
+// fraction of the traffic.
 inline int column_chunks(int64_t rows) {
-  const int64_t c = (rows + 127) / 128;
-  return int(c < 1 ? 1 : (c > 64 ? 64 : c));
+  const int64_t c = (rows + 31) / 32;
+  return int(c < 1 ? 1 : (c > 512 ? 512 : c));
 }
+
+// Row groups whose gamma/beta partial sums layer_norm_backward writes: one per
+// warp of its persistent warp-per-row kernel (each warp at least 8 rows, at most
+// 1056 warps), or column_chunks(rows) on the block-per-row path.
+inline int layer_norm_partial_rows(int64_t rows) {
+  const int64_t warps = (rows + 7) / 8;
+  const int w = (int(warps < 1 ? 1 : (warps > 1056 ? 1056 : warps)) + 3) / 4 * 4;  // whole blocks of 4 warps
+  return w > column_chunks(rows) ? w : column_chunks(rows);
+}
+// partial: 2 x layer_norm_partial_rows(rows) x hidden floats
 
 // softmax.cu: scores [B, heads, Tq, Tk]; key_padding [B, Tk] (nullptr: none)
 void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, bool causal, void* out, void* probs,
@@ -63,7 +74,7 @@ void qkv_forward(DType dt, const void* x, const void* bias, void* out, int batch
 void qkv_backward(DType dt, const void* dy, void* dx, void* dbias, float* partial, int batch, int len, int parts,
                   int heads, int head_dim, float first_scale, cudaStream_t stream);
 
-// embedding.cu: tokens/positions [n] (int64); pos_weight nullptr = sinusoidal
+// embedding.cu: tokens/positions [n] (int64); pos_weight the learned or sinusoid table
 void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions, const void* weight,
                        const void* pos_weight, void* out, uint8_t* mask, int64_t n, int dim, float scale,
                        int padding_idx, float p, RngState rng, cudaStream_t stream);

@@ -22,24 +22,34 @@ struct HeadLayout {
   }
 };
 
-// One block per row (b, t) of x: the row's position in the output is computed once.
+// A block handles kRows rows (b, t) of x; each thread loads its vector of every
+// row before storing any, so several 16-byte loads are in flight per thread.
+constexpr int kRows = 4;
+
 template <typename T, int V>
 __global__ void qkv_forward_kernel(const T* __restrict__ x, const T* __restrict__ bias, T* __restrict__ out,
-                                   HeadLayout L, float first_scale) {
+                                   HeadLayout L, float first_scale, int64_t rows) {
   const int cols = L.parts * L.heads * L.head_dim, d = L.heads * L.head_dim;
-  const int64_t row = blockIdx.x;
-  const int64_t b = row / L.len, t = row % L.len;
   const int64_t part_stride = int64_t(L.batch) * L.heads * L.len * L.head_dim;
-  T* dst = out + (b * L.heads * L.len + t) * L.head_dim;
   for (int c = threadIdx.x * V; c < cols; c += blockDim.x * V) {
-    float v[V], bv[V];
-    load<T, V>(x + row * cols + c, v);
-    load<T, V>(bias + c, bv);
     const int part = c / d, h = (c % d) / L.head_dim, i = c % L.head_dim;
     const float s = part == 0 ? first_scale : 1.f;
+    float bv[V], v[kRows][V];
+    load<T, V>(bias + c, bv);
 #pragma unroll
-    for (int k = 0; k < V; ++k) v[k] = (v[k] + bv[k]) * s;
-    store<T, V>(dst + part * part_stride + int64_t(h) * L.len * L.head_dim + i, v);
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t row = int64_t(blockIdx.x) * kRows + r;
+      if (row < rows) load<T, V>(x + row * cols + c, v[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t row = int64_t(blockIdx.x) * kRows + r;
+      if (row >= rows) break;
+      const int64_t b = row / L.len, t = row % L.len;
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[r][k] = (v[r][k] + bv[k]) * s;
+      store<T, V>(out + part * part_stride + ((b * L.heads + h) * L.len + t) * L.head_dim + i, v[r]);
+    }
   }
 }
 
@@ -71,10 +81,11 @@ void qkv_forward(DType dt, const void* x, const void* bias, void* out, int batch
     const bool vec = head_dim % V == 0 && aligned16(x) && aligned16(bias) && aligned16(out);
     const int accesses = vec ? cols / V : cols;
     const int threads = accesses < 512 ? (accesses + 31) / 32 * 32 : 512;
+    const int grid = ceil_div(rows, kRows);
     if (vec)
-      qkv_forward_kernel<T, V><<<rows, threads, 0, stream>>>((const T*)x, (const T*)bias, (T*)out, L, first_scale);
+      qkv_forward_kernel<T, V><<<grid, threads, 0, stream>>>((const T*)x, (const T*)bias, (T*)out, L, first_scale, rows);
     else
-      qkv_forward_kernel<T, 1><<<rows, threads, 0, stream>>>((const T*)x, (const T*)bias, (T*)out, L, first_scale);
+      qkv_forward_kernel<T, 1><<<grid, threads, 0, stream>>>((const T*)x, (const T*)bias, (T*)out, L, first_scale, rows);
   })
 }
 

@@ -58,7 +58,7 @@ __global__ void column_sum_finish_kernel(const float* __restrict__ partial, int 
 }
 
 // out[k][col] = sum over rows of the k-th value f gives for (row, col); partial holds
-// K x column_chunks(rows) x cols floats.
+// K x column_chunks(rows) x cols floats (the K sums' partials one after the other).
 template <typename T, int K, typename F>
 void map_column_sum(F f, bool vectorizable, T* const (&out)[K], float* partial, int64_t rows, int cols,
                     cudaStream_t stream) {

@@ -2,9 +2,10 @@
 // key-padding mask [B, Tk] and the causal mask applied on the fly (never
 // expanded in memory), fused with dropout. A fully masked row gives zeros.
 // Launch shapes are chosen per row length at compile time, as LightSeq2 does:
-// rows of up to 1024 keys take one warp each with the row in registers
-// (ITEMS = keys per thread: 1, 2, 4, ..., 32), so a row is read once and
-// written once; longer rows (no cap) take a block each and loop.
+// rows of up to 1024 keys are held in registers by GROUP lanes of a warp (8
+// lanes for up to 32 keys, so four short rows share a warp; 32 lanes with
+// ITEMS = 4 .. 32 keys each for longer ones), read once and written once;
+// longer rows (no cap) take a block each and loop.
 // Writes probs (backward needs them) and, with dropout, the dropped copy and a
 // one-byte keep-mask. Backward: dp = dout * mask / (1 - p);
 // dscores = probs * (dp - sum_j dp_j * probs_j).
@@ -30,34 +31,51 @@ struct RowMask {
   __device__ bool operator()(int j) const { return j > last || (padding && padding[j]); }
 };
 
-template <typename T, int ITEMS>
+// Reductions over the GROUP lanes that share a row (GROUP a power of two <= 32).
+template <int GROUP>
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int o = GROUP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+template <int GROUP>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int o = GROUP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// GROUP lanes per row (32 / GROUP rows per warp), ITEMS keys per lane, the row in registers.
+template <typename T, int ITEMS, int GROUP>
 __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
                                             T* __restrict__ probs, uint8_t* __restrict__ mask, int64_t rows, float p,
                                             RngState rng) {
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x & 31, tk = info.tk;
-  if (row >= rows) return;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
+  const int lane = threadIdx.x % GROUP, tk = info.tk;
+  const bool valid = row < rows;  // every lane stays for the shuffles
   const T* s = scores + row * tk;
-  const RowMask masked(info, row);
+  const RowMask masked(info, valid ? row : 0);
   float v[ITEMS], m = -INFINITY;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
-    const int j = lane + 32 * k;
-    v[k] = (j < tk && !masked(j)) ? to_f(s[j]) : -INFINITY;
+    const int j = lane + GROUP * k;
+    v[k] = (valid && j < tk && !masked(j)) ? to_f(s[j]) : -INFINITY;
     m = fmaxf(m, v[k]);
   }
-  m = warp_max(m);
+  m = group_max<GROUP>(m);
   float sum = 0.f;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
     v[k] = m == -INFINITY ? 0.f : expf(v[k] - m);
     sum += v[k];
   }
-  sum = warp_sum(sum);
+  sum = group_sum<GROUP>(sum);
+  if (!valid) return;
   const float inv = sum > 0.f ? 1.f / sum : 0.f, scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
-    const int j = lane + 32 * k;
+    const int j = lane + GROUP * k;
     if (j < tk) {
       const T pr = from_f<T>(v[k] * inv);
       probs[row * tk + j] = pr;
@@ -100,27 +118,28 @@ __global__ void softmax_forward_block_kernel(const T* __restrict__ scores, RowIn
   }
 }
 
-template <typename T, int ITEMS>
+template <typename T, int ITEMS, int GROUP>
 __global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ probs,
                                              const uint8_t* __restrict__ mask, T* __restrict__ ds, int64_t rows,
                                              int tk, float p) {
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
+  const int lane = threadIdx.x % GROUP;
+  const bool valid = row < rows;
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
   float dp[ITEMS], pr[ITEMS], dot = 0.f;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
-    const int64_t e = row * tk + lane + 32 * k;
-    const bool in = lane + 32 * k < tk;
+    const int64_t e = row * tk + lane + GROUP * k;
+    const bool in = valid && lane + GROUP * k < tk;
     pr[k] = in ? to_f(probs[e]) : 0.f;
     dp[k] = in && (!mask || mask[e]) ? to_f(dout[e]) * scale : 0.f;
     dot += dp[k] * pr[k];
   }
-  dot = warp_sum(dot);
+  dot = group_sum<GROUP>(dot);
+  if (!valid) return;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k)
-    if (lane + 32 * k < tk) ds[row * tk + lane + 32 * k] = from_f<T>(pr[k] * (dp[k] - dot));
+    if (lane + GROUP * k < tk) ds[row * tk + lane + GROUP * k] = from_f<T>(pr[k] * (dp[k] - dot));
 }
 
 template <typename T>
@@ -138,20 +157,20 @@ __global__ void softmax_backward_block_kernel(const T* __restrict__ dout, const 
   }
 }
 
-// Calls launch.template operator()<ITEMS>() with the smallest ITEMS whose warp covers tk,
-// or returns false when tk needs the block path.
+// Calls launch.template operator()<ITEMS, GROUP>() with the row layout for tk (a
+// short row shares a warp with others), or returns false when tk needs the block path.
 template <typename L>
-bool with_items(int tk, L&& launch) {
-  if (tk <= 32) return launch.template operator()<1>(), true;
-  if (tk <= 64) return launch.template operator()<2>(), true;
-  if (tk <= 128) return launch.template operator()<4>(), true;
-  if (tk <= 256) return launch.template operator()<8>(), true;
-  if (tk <= 512) return launch.template operator()<16>(), true;
-  if (tk <= 1024) return launch.template operator()<32>(), true;
+bool with_row_layout(int tk, L&& launch) {
+  if (tk <= 32) return launch.template operator()<4, 8>(), true;
+  if (tk <= 64) return launch.template operator()<4, 16>(), true;
+  if (tk <= 128) return launch.template operator()<4, 32>(), true;
+  if (tk <= 256) return launch.template operator()<8, 32>(), true;
+  if (tk <= 512) return launch.template operator()<16, 32>(), true;
+  if (tk <= 1024) return launch.template operator()<32, 32>(), true;
   return false;
 }
 
-constexpr int kRowsPerBlock = 4;
+constexpr int kThreads = 128;
 
 void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, bool causal, void* out, void* probs,
                      uint8_t* mask, int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream) {
@@ -159,8 +178,8 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
   if (rows == 0 || tk == 0) return;
   RowInfo info{key_padding, causal, heads, tq, tk};
   LS_DISPATCH(dt, {
-    const bool warp = with_items(tk, [&]<int ITEMS>() {
-      softmax_forward_warp_kernel<T, ITEMS><<<ceil_div(rows, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream>>>(
+    const bool warp = with_row_layout(tk, [&]<int ITEMS, int GROUP>() {
+      softmax_forward_warp_kernel<T, ITEMS, GROUP><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
           (const T*)scores, info, (T*)out, (T*)probs, mask, rows, p, rng);
     });
     if (!warp)
@@ -173,8 +192,8 @@ void softmax_backward(DType dt, const void* dout, const void* probs, const uint8
                       int64_t rows, int tk, float p, cudaStream_t stream) {
   if (rows == 0 || tk == 0) return;
   LS_DISPATCH(dt, {
-    const bool warp = with_items(tk, [&]<int ITEMS>() {
-      softmax_backward_warp_kernel<T, ITEMS><<<ceil_div(rows, kRowsPerBlock), 32 * kRowsPerBlock, 0, stream>>>(
+    const bool warp = with_row_layout(tk, [&]<int ITEMS, int GROUP>() {
+      softmax_backward_warp_kernel<T, ITEMS, GROUP><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
           (const T*)dout, (const T*)probs, mask, (T*)dscores, rows, tk, p);
     });
     if (!warp)

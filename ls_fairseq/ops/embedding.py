@@ -3,7 +3,8 @@
 tokens [B, T] and positions [B, T] (fairseq's make_positions: padding_idx + 1
 onwards for real tokens, padding_idx for padding) -> [B, T, d]. Positions come
 from a learned table, or, when ``pos_weight`` is None, from fairseq's
-sinusoidal formula computed on the fly (never stored as a table by the kernel).
+sinusoidal formula (on the kernel path: a table of it in the storage dtype,
+as fairseq keeps one, grown on demand; it has no gradient).
 Backward accumulates the table gradients in fp32 (no half-precision atomics)
 and casts once; padding tokens give no gradient.
 """
@@ -29,6 +30,27 @@ def sinusoidal(positions, dim, padding_idx):
     if dim % 2 == 1:
         emb = torch.cat([emb, emb.new_zeros(emb.shape[:-1] + (1,))], dim=-1)
     return emb.masked_fill(positions.eq(padding_idx).unsqueeze(-1), 0.0)
+
+
+_sinusoid_tables = {}
+
+
+def sinusoid_table(rows, dim, padding_idx, dtype, device):
+    """fairseq's sinusoid table (fp32 values cast to ``dtype``) with at least ``rows`` rows, cached."""
+    key = (dim, padding_idx, dtype, device)
+    table = _sinusoid_tables.get(key)
+    if table is None or table.shape[0] < rows:
+        n = max(rows, 2 * table.shape[0] if table is not None else 1024)
+        table = sinusoidal(torch.arange(n, device=device), dim, padding_idx).to(dtype)
+        _sinusoid_tables[key] = table
+    return table
+
+
+def embedding_forward_kernel(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask):
+    """The kernel, given fairseq's sinusoid table when positions are not learned."""
+    if pos_weight is None:
+        pos_weight = sinusoid_table(padding_idx + 1 + tokens.shape[-1], weight.shape[1], padding_idx, weight.dtype, weight.device)
+    return dispatch.extension().embedding_forward(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask)
 
 
 def embedding_forward_reference(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask):
@@ -65,6 +87,8 @@ class EmbeddingFunction(torch.autograd.Function):
         fwd, bwd = dispatch.implementation(
             "embedding", weight, embedding_forward_reference, embedding_backward_reference
         )
+        if fwd is not embedding_forward_reference:
+            fwd = embedding_forward_kernel
         out, mask = fwd(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask)
         ctx.bwd = bwd
         ctx.args = (scale, padding_idx, p, weight.shape[0], 0 if pos_weight is None else pos_weight.shape[0])
