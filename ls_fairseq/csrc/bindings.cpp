@@ -130,7 +130,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const T
   auto dx = torch::empty_like(x);
   auto dweight = torch::empty_like(weight);
   auto dbias = torch::empty_like(weight);
-  auto partial = torch::empty({2 * int64_t(ls::layer_norm_partial_rows(rows)) * hidden}, x.options().dtype(at::kFloat));
+  auto partial = torch::empty({2 * int64_t(ls::column_chunks(rows)) * hidden}, x.options().dtype(at::kFloat));
   ls::layer_norm_backward(dtype_of(x, "x"), dy.data_ptr(), x.data_ptr(), weight.data_ptr(), mean.data_ptr<float>(),
                           rstd.data_ptr<float>(), dx.data_ptr(), dweight.data_ptr(), dbias.data_ptr(),
                           partial.data_ptr<float>(), rows, hidden, stream());

@@ -1,8 +1,7 @@
 // cross_entropy: fairseq's label-smoothed cross-entropy from the logits.
-// One block per token reads its row of logits once (into registers when it fits
-// 512 threads x 8 vectors, else with a running max and sum of exponentials: an
-// online logsumexp), sums the logits too, and writes three fp32 numbers: loss,
-// nll and lse. The [tokens x vocab] log-probabilities
+// One block per token reads its row of logits once, keeping a running max and
+// sum of exponentials (online logsumexp) and the sum of the logits, and writes
+// three fp32 numbers: loss, nll and lse. The [tokens x vocab] log-probabilities
 // are never written, in any precision. With V the vocabulary, eps_i = eps / (V - 1):
 //   nll = lse - x_t, smooth = V * lse - sum_j x_j,
 //   loss = (1 - eps - eps_i) * nll + eps_i * smooth (0 where target = padding).
@@ -81,46 +80,6 @@ __global__ void ce_forward_kernel(const T* __restrict__ logits, const int64_t* _
   }
 }
 
-// The row held in registers (ITEMS vectors a thread): max, then the sum of
-// exponentials, one exp per element and no rescaling; the row is read once.
-template <typename T, int V, int ITEMS>
-__global__ void ce_forward_registers_kernel(const T* __restrict__ logits, const int64_t* __restrict__ target,
-                                            float* __restrict__ loss, float* __restrict__ nll,
-                                            float* __restrict__ lse_out, int vocab, float epsilon, int padding_idx) {
-  const int64_t row = blockIdx.x;
-  const T* x = logits + row * vocab;
-  float v[ITEMS][V], m = -INFINITY, sumx = 0.f;
-#pragma unroll
-  for (int it = 0; it < ITEMS; ++it) {
-    const int j = (it * blockDim.x + threadIdx.x) * V;
-    if (j < vocab) {
-      load<T, V>(x + j, v[it]);
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        m = fmaxf(m, v[it][i]);
-        sumx += v[it][i];
-      }
-    }
-  }
-  m = block_max(m);
-  float s = 0.f;
-#pragma unroll
-  for (int it = 0; it < ITEMS; ++it)
-    if ((it * blockDim.x + threadIdx.x) * V < vocab)
-#pragma unroll
-      for (int i = 0; i < V; ++i) s += __expf(v[it][i] - m);
-  block_sum2(s, sumx);
-  if (threadIdx.x == 0) {
-    const float lse = m + logf(s);
-    const int64_t t = target[row];
-    lse_out[row] = lse;
-    const float eps_i = epsilon / (vocab - 1);
-    const float n = t == padding_idx ? 0.f : lse - to_f(x[t]);
-    nll[row] = n;
-    loss[row] = t == padding_idx ? 0.f : (1.f - epsilon - eps_i) * n + eps_i * (float(vocab) * lse - sumx);
-  }
-}
-
 template <typename T, int V>
 __global__ void ce_backward_kernel(const float* __restrict__ dloss, const float* __restrict__ dnll,
                                    const T* __restrict__ logits, const int64_t* __restrict__ target,
@@ -155,19 +114,9 @@ void cross_entropy_forward(DType dt, const void* logits, const int64_t* target, 
                            int64_t n, int vocab, float epsilon, int padding_idx, cudaStream_t stream) {
   if (n == 0) return;
   LS_DISPATCH(dt, {
-    constexpr int V = kVec<T>;
-    const int per_thread = ceil_div(vocab / V, 512);
-    auto registers = [&]<int ITEMS>() {
-      ce_forward_registers_kernel<T, V, ITEMS><<<n, 512, 0, stream>>>((const T*)logits, target, loss, nll, lse, vocab,
-                                                                     epsilon, padding_idx);
-    };
-    const bool vec = rows_vectorizable<T>(logits, vocab);
-    if (vec && per_thread <= 2) registers.template operator()<2>();
-    else if (vec && per_thread <= 4) registers.template operator()<4>();
-    else if (vec && per_thread <= 8) registers.template operator()<8>();
-    else if (vec)
-      ce_forward_kernel<T, V><<<n, 512, 0, stream>>>((const T*)logits, target, loss, nll, lse, vocab, epsilon,
-                                                     padding_idx);
+    if (rows_vectorizable<T>(logits, vocab))
+      ce_forward_kernel<T, kVec<T>><<<n, 512, 0, stream>>>((const T*)logits, target, loss, nll, lse, vocab, epsilon,
+                                                           padding_idx);
     else
       ce_forward_kernel<T, 1><<<n, 512, 0, stream>>>((const T*)logits, target, loss, nll, lse, vocab, epsilon,
                                                      padding_idx);

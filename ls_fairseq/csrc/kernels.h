@@ -52,15 +52,7 @@ inline int column_chunks(int64_t rows) {
   return int(c < 1 ? 1 : (c > 512 ? 512 : c));
 }
 
-// Row groups whose gamma/beta partial sums layer_norm_backward writes: one per
-// warp of its persistent warp-per-row kernel (each warp at least 8 rows, at most
-// 1056 warps), or column_chunks(rows) on the block-per-row path.
-inline int layer_norm_partial_rows(int64_t rows) {
-  const int64_t warps = (rows + 7) / 8;
-  const int w = (int(warps < 1 ? 1 : (warps > 1056 ? 1056 : warps)) + 3) / 4 * 4;  // whole blocks of 4 warps
-  return w > column_chunks(rows) ? w : column_chunks(rows);
-}
-// partial: 2 x layer_norm_partial_rows(rows) x hidden floats
+// layer_norm_backward's partial: 2 x column_chunks(rows) x hidden floats
 
 // softmax.cu: scores [B, heads, Tq, Tk]; key_padding [B, Tk] (nullptr: none)
 void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, bool causal, void* out, void* probs,

@@ -133,66 +133,6 @@ __global__ void ln_backward_dx_kernel(const T* __restrict__ dy, const T* __restr
   }
 }
 
-// Backward for rows held in registers: a persistent grid of warps, each taking
-// rows in turn, writes dx and keeps its lanes' running sums of dy * xhat and dy
-// for their columns; one partial row per warp, added up by the finish kernel.
-// dy and x are read once.
-template <typename T, int V, int ITEMS>
-__global__ void ln_backward_warp_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
-                                        const float* __restrict__ mean, const float* __restrict__ rstd,
-                                        T* __restrict__ dx, float* __restrict__ partial_g,
-                                        float* __restrict__ partial_b, int64_t rows, int hidden) {
-  const int lane = threadIdx.x & 31;
-  const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, warps = gridDim.x * (blockDim.x / 32);
-  float gm[ITEMS][V], pg[ITEMS][V] = {}, pb[ITEMS][V] = {};
-#pragma unroll
-  for (int it = 0; it < ITEMS; ++it)
-    if ((it * 32 + lane) * V < hidden) load<T, V>(gamma + (it * 32 + lane) * V, gm[it]);
-  for (int64_t row = warp; row < rows; row += warps) {
-    const float mu = mean[row], rs = rstd[row];
-    float d[ITEMS][V], xh[ITEMS][V], sg = 0.f, sgx = 0.f;
-#pragma unroll
-    for (int it = 0; it < ITEMS; ++it) {
-      const int c = (it * 32 + lane) * V;
-      if (c < hidden) {
-        load<T, V>(dy + row * hidden + c, d[it]);
-        load<T, V>(x + row * hidden + c, xh[it]);
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          xh[it][i] = (xh[it][i] - mu) * rs;
-          pg[it][i] += d[it][i] * xh[it][i];
-          pb[it][i] += d[it][i];
-          const float g = d[it][i] * gm[it][i];
-          sg += g;
-          sgx += g * xh[it][i];
-        }
-      }
-    }
-    sg = warp_sum(sg);
-    sgx = warp_sum(sgx);
-    const float mg = sg / hidden, mgx = sgx / hidden;
-#pragma unroll
-    for (int it = 0; it < ITEMS; ++it) {
-      const int c = (it * 32 + lane) * V;
-      if (c < hidden) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) d[it][i] = rs * (d[it][i] * gm[it][i] - mg - xh[it][i] * mgx);
-        store<T, V>(dx + row * hidden + c, d[it]);
-      }
-    }
-  }
-#pragma unroll
-  for (int it = 0; it < ITEMS; ++it) {
-    const int c = (it * 32 + lane) * V;
-    if (c < hidden)
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        partial_g[int64_t(warp) * hidden + c + i] = pg[it][i];
-        partial_b[int64_t(warp) * hidden + c + i] = pb[it][i];
-      }
-  }
-}
-
 // dgamma and dbeta: the sums of dy * xhat and of dy over rows.
 template <typename T>
 struct LnParamMap {
@@ -247,33 +187,20 @@ void layer_norm_backward(DType dt, const void* dy, const void* x, const void* ga
                          const float* rstd, void* dx, void* dgamma, void* dbeta, float* partial, int64_t rows,
                          int hidden, cudaStream_t stream) {
   LS_DISPATCH(dt, {
-    constexpr int V = kVec<T>;
-    const bool vec = hidden % V == 0 && aligned16(dy) && aligned16(x) && aligned16(gamma) && aligned16(dx);
-    const int vectors = hidden / V;
-    if (rows > 0 && vec && vectors <= 32 * 16) {
-      const int warps = layer_norm_partial_rows(rows), grid = warps / kRowsPerBlock;
-      float* partial_b = partial + int64_t(warps) * hidden;
-      auto launch = [&]<int ITEMS>() {
-        ln_backward_warp_kernel<T, V, ITEMS><<<grid, 32 * kRowsPerBlock, 0, stream>>>(
-            (const T*)dy, (const T*)x, (const T*)gamma, mean, rstd, (T*)dx, partial, partial_b, rows, hidden);
-      };
-      if (vectors <= 32) launch.template operator()<1>();
-      else if (vectors <= 64) launch.template operator()<2>();
-      else if (vectors <= 128) launch.template operator()<4>();
-      else if (vectors <= 256) launch.template operator()<8>();
-      else launch.template operator()<16>();
-      column_sum_finish_kernel<T><<<ceil_div(hidden, 256), 256, 0, stream>>>(partial, warps, hidden, (T*)dgamma);
-      column_sum_finish_kernel<T><<<ceil_div(hidden, 256), 256, 0, stream>>>(partial_b, warps, hidden, (T*)dbeta);
-      return;
-    }
-    if (rows > 0)
-      by_row_length<T, 1>(hidden, rows, [&]<int VV, int ITEMS, bool WARP>(int grid, int block) {
-        ln_backward_dx_kernel<T, VV, ITEMS, WARP><<<grid, block, 0, stream>>>(
+    const bool vec = hidden % kVec<T> == 0 && aligned16(dy) && aligned16(x) && aligned16(gamma) && aligned16(dx);
+    if (rows > 0) {
+      auto launch = [&]<int V, int ITEMS, bool WARP>(int grid, int block) {
+        ln_backward_dx_kernel<T, V, ITEMS, WARP><<<grid, block, 0, stream>>>(
             (const T*)dy, (const T*)x, (const T*)gamma, mean, rstd, (T*)dx, rows, hidden);
-      });
+      };
+      if (vec)
+        by_row_length<T, kVec<T>>(hidden, rows, launch);
+      else
+        by_row_length<T, 1>(hidden, rows, launch);
+    }
     T* const out[2] = {(T*)dgamma, (T*)dbeta};
-    map_column_sum<T, 2>(LnParamMap<T>{(const T*)dy, (const T*)x, mean, rstd, hidden}, false, out, partial, rows,
-                         hidden, stream);
+    map_column_sum<T, 2>(LnParamMap<T>{(const T*)dy, (const T*)x, mean, rstd, hidden}, vec, out, partial, rows, hidden,
+                         stream);
   })
 }
 
