@@ -47,7 +47,7 @@ def test_train_save_resume_generate_and_convert(data_bin, tmp_path):
     log = train(data_bin, save, "--max-update", "12", "--memory-efficient-fp16")
     assert (save / "checkpoint_last.pt").is_file()
     assert max(updates(log)) == 12
-    log = train(data_bin, save, "--max-update", "20", "--memory-efficient-fp16")
+    log = train(data_bin, save, "--max-update", "20", "--memory-efficient-fp16", "--update-freq", "2")
     assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 12 updates\)", log), log[-2000:]
     assert min(updates(log)) > 12 and max(updates(log)) == 20
 

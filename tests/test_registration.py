@@ -1,0 +1,60 @@
+"""What `import ls_fairseq` (and so --user-dir) registers, and the op dispatch switches."""
+import pytest
+import torch
+
+import ls_fairseq  # noqa: F401
+from fairseq.criterions import CRITERION_REGISTRY
+from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
+from fairseq.optim import OPTIMIZER_REGISTRY
+
+from ls_fairseq.ops import dispatch
+
+ARCHS = [
+    "ls_transformer", "ls_transformer_tiny", "ls_transformer_iwslt_de_en", "ls_transformer_wmt_en_de",
+    "ls_transformer_vaswani_wmt_en_de_big", "ls_transformer_vaswani_wmt_en_fr_big", "ls_transformer_wmt_en_de_big",
+    "ls_transformer_wmt_en_de_big_t2t",
+]
+
+
+def test_everything_is_registered():
+    assert "ls_transformer" in MODEL_REGISTRY
+    for arch in ARCHS:
+        assert ARCH_MODEL_REGISTRY[arch] is MODEL_REGISTRY["ls_transformer"], arch
+    assert "ls_label_smoothed_cross_entropy" in CRITERION_REGISTRY
+    assert "ls_adam" in OPTIMIZER_REGISTRY
+
+
+@pytest.mark.parametrize("arch", ARCHS[1:])
+def test_architectures_take_their_fairseq_namesakes_hyper_parameters(arch):
+    import argparse
+
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    ours, stock = argparse.Namespace(), argparse.Namespace()
+    ARCH_CONFIG_REGISTRY[arch](ours)
+    ARCH_CONFIG_REGISTRY[arch[len("ls_"):]](stock)
+    shared = set(vars(ours)) & set(vars(stock))  # stock sets max positions from the task, not the arch
+    assert {"encoder_embed_dim", "encoder_ffn_embed_dim", "encoder_layers", "encoder_attention_heads", "dropout",
+            "attention_dropout", "activation_dropout", "encoder_normalize_before", "decoder_normalize_before",
+            "decoder_embed_dim", "decoder_layers", "activation_fn"} <= shared
+    for key in shared:
+        assert getattr(stock, key) == getattr(ours, key), (arch, key)
+
+
+def test_reference_can_be_forced_for_all_or_named_ops(monkeypatch):
+    monkeypatch.delenv("LS_FAIRSEQ_REFERENCE", raising=False)
+    assert not dispatch.forced_reference("layer_norm")
+    monkeypatch.setenv("LS_FAIRSEQ_REFERENCE", "layer_norm, softmax")
+    assert dispatch.forced_reference("layer_norm") and dispatch.forced_reference("softmax")
+    assert not dispatch.forced_reference("adam")
+    monkeypatch.setenv("LS_FAIRSEQ_REFERENCE", "all")
+    assert all(dispatch.forced_reference(op) for op in dispatch.OPS)
+    monkeypatch.setenv("LS_FAIRSEQ_REFERENCE", "layernorm")
+    with pytest.raises(ValueError, match="unknown op"):
+        dispatch.forced_reference("layer_norm")
+
+
+def test_cpu_tensors_and_fp64_take_the_reference():
+    assert not dispatch.use_kernel("layer_norm", torch.zeros(2))
+    if torch.cuda.is_available():
+        assert not dispatch.use_kernel("layer_norm", torch.zeros(2, dtype=torch.float64, device="cuda"))
