@@ -32,11 +32,9 @@ struct BadForward {
   int hidden, activation;
   template <int N>
   __device__ void values(int64_t e, float (&v)[N]) const {
-    float xv[N], bv[N];
-    load<T, N>(x + e, xv);
-    load<T, N>(bias + e % hidden, bv);
+    load_biased<T, N>(x, bias, e, hidden, v);
 #pragma unroll
-    for (int i = 0; i < N; ++i) v[i] = act(xv[i] + bv[i], activation);
+    for (int i = 0; i < N; ++i) v[i] = act(v[i], activation);
   }
   template <int N>
   __device__ void finish(int64_t, float (&)[N]) const {}

@@ -20,11 +20,7 @@ struct BdrForward {
   int hidden;
   template <int N>
   __device__ void values(int64_t e, float (&v)[N]) const {
-    float xv[N], bv[N];
-    load<T, N>(x + e, xv);
-    load<T, N>(bias + e % hidden, bv);
-#pragma unroll
-    for (int i = 0; i < N; ++i) v[i] = xv[i] + bv[i];
+    load_biased<T, N>(x, bias, e, hidden, v);
   }
   template <int N>
   __device__ void finish(int64_t e, float (&v)[N]) const {

@@ -13,6 +13,16 @@
 
 namespace ls {
 
+// x + bias for N columns from element e of a [rows, hidden] x.
+template <typename T, int N>
+__device__ __forceinline__ void load_biased(const T* x, const T* bias, int64_t e, int hidden, float (&v)[N]) {
+  float bv[N];
+  load<T, N>(x + e, v);
+  load<T, N>(bias + e % hidden, bv);
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] += bv[i];
+}
+
 template <typename T, int V, typename F>
 __global__ void dropout_map_kernel(F f, T* __restrict__ out, uint8_t* __restrict__ mask, int64_t n, float p,
                                    RngState rng) {

@@ -78,6 +78,21 @@ __global__ void ln_forward_kernel(const T* __restrict__ x, const T* __restrict__
   }
 }
 
+// g = dy * gamma and xhat = (x - mean) * rstd for V columns from c.
+template <typename T, int V>
+__device__ __forceinline__ void load_g_xhat(const T* dy, const T* x, const T* gamma, int c, float mu, float rs,
+                                            float (&g)[V], float (&xh)[V]) {
+  float gm[V];
+  load<T, V>(dy + c, g);
+  load<T, V>(x + c, xh);
+  load<T, V>(gamma + c, gm);
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    g[i] *= gm[i];
+    xh[i] = (xh[i] - mu) * rs;
+  }
+}
+
 template <typename T, int V, int ITEMS, bool WARP>
 __global__ void ln_backward_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
                                       const float* __restrict__ mean, const float* __restrict__ rstd,
@@ -93,14 +108,9 @@ __global__ void ln_backward_dx_kernel(const T* __restrict__ dy, const T* __restr
     for (int it = 0; it < ITEMS; ++it) {
       const int c = c0 + (it * width + lane) * V;
       if (c < hidden) {
-        float gm[V];
-        load<T, V>(dyr + c, g[it]);
-        load<T, V>(xr + c, xh[it]);
-        load<T, V>(gamma + c, gm);
+        load_g_xhat<T, V>(dyr, xr, gamma, c, mu, rs, g[it], xh[it]);
 #pragma unroll
         for (int i = 0; i < V; ++i) {
-          g[it][i] *= gm[i];
-          xh[it][i] = (xh[it][i] - mu) * rs;
           sg += g[it][i];
           sgx += g[it][i] * xh[it][i];
         }
@@ -114,17 +124,7 @@ __global__ void ln_backward_dx_kernel(const T* __restrict__ dy, const T* __restr
     for (int it = 0; it < ITEMS; ++it) {
       const int c = c0 + (it * width + lane) * V;
       if (c < hidden) {
-        if (!WARP) {
-          float gm[V];
-          load<T, V>(dyr + c, g[it]);
-          load<T, V>(xr + c, xh[it]);
-          load<T, V>(gamma + c, gm);
-#pragma unroll
-          for (int i = 0; i < V; ++i) {
-            g[it][i] *= gm[i];
-            xh[it][i] = (xh[it][i] - mu) * rs;
-          }
-        }
+        if (!WARP) load_g_xhat<T, V>(dyr, xr, gamma, c, mu, rs, g[it], xh[it]);
 #pragma unroll
         for (int i = 0; i < V; ++i) g[it][i] = rs * (g[it][i] - mg - xh[it][i] * mgx);
         store<T, V>(dx + row * hidden + c, g[it]);
