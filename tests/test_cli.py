@@ -38,6 +38,14 @@ def hypotheses(output):
     return sorted(line.split("\t")[0] + "\t" + line.split("\t")[2] for line in output.splitlines() if line.startswith("H-"))
 
 
+def tensorboard_scalars(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
 def updates(log):
     return [int(n) for n in re.findall(r"num_updates[ =](\d+)", log)]
 
@@ -47,9 +55,14 @@ def test_train_save_resume_generate_and_convert(data_bin, tmp_path):
     log = train(data_bin, save, "--max-update", "12", "--memory-efficient-fp16")
     assert (save / "checkpoint_last.pt").is_file()
     assert max(updates(log)) == 12
-    log = train(data_bin, save, "--max-update", "20", "--memory-efficient-fp16", "--update-freq", "2")
+    tb = tmp_path / "tb"
+    log = train(data_bin, save, "--max-update", "20", "--memory-efficient-fp16", "--update-freq", "2",
+                "--tensorboard-logdir", str(tb))
     assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 12 updates\)", log), log[-2000:]
     assert min(updates(log)) > 12 and max(updates(log)) == 20
+    assert re.search(r"mfu[ =]\d", log), "MFU is not in the training log"
+    scalars = tensorboard_scalars(tb / "train_inner")
+    assert {"wps", "mfu", "loss"} <= set(scalars) and all(v > 0 for v in scalars["mfu"])
 
     out = generate(data_bin, save / "checkpoint_last.pt")
     assert re.search(r"BLEU4? = \d+\.\d+", out), out[-2000:]
@@ -123,3 +136,26 @@ def test_missing_data_dir_fails_clearly(tmp_path):
     proc = run([bin_path("fairseq-train"), missing, "--user-dir", USER_DIR, "--save-dir", str(tmp_path)] + TRAIN)
     assert proc.returncode != 0 and missing in proc.stderr
     assert not list(tmp_path.glob("*.pt"))
+
+
+def test_recipe_train_sh_trains_averages_and_scores(data_bin, tmp_path):
+    """The WMT14 recipe's train.sh on the offline-prepared corpus, with a small architecture."""
+    import os
+    import sys
+
+    from conftest import REPO
+
+    save = tmp_path / "recipe"
+    proc = run(
+        ["bash", os.path.join(REPO, "recipes", "wmt14_en_de", "train.sh"), "--work", str(data_bin), "--save", str(save),
+         "--max-tokens", "1024", "--", "--arch", "ls_transformer_tiny", "--max-epoch", "2", "--num-workers", "0",
+         "--warmup-updates", "10", "--log-interval", "10"],
+        env={"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], "PYTHON": sys.executable},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"^BLEU = \d+\.\d+", proc.stdout, re.M), proc.stdout[-2000:]
+    assert "averaged 2 checkpoints" in proc.stdout
+    for name in ("checkpoint1.pt", "checkpoint2.pt", "checkpoint_last.pt", "averaged.pt"):
+        assert (save / name).is_file(), name
+    scalars = tensorboard_scalars(save / "tensorboard" / "train_inner")
+    assert {"wps", "ups", "mfu"} <= set(scalars)

@@ -3,11 +3,15 @@ the logits in one fused op (no [tokens x vocab] fp32 log-probabilities).
 
 Same formula (eps_i = eps / (V - 1)), same logging outputs and metrics
 (loss, nll_loss, ntokens, nsentences, sample_size; --report-accuracy,
---ignore-prefix-size) as fairseq's criterion, which it extends.
+--ignore-prefix-size) as fairseq's criterion, which it extends. It also logs
+throughput for TensorBoard: ``mfu`` (wps x model FLOPs per target token, see
+ls_fairseq.flops, over --ls-peak-tflops) and, on a GPU, ``gpu_peak_gib`` (the
+peak memory of the step); neither needs a device synchronisation.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from fairseq import metrics
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
@@ -19,11 +23,43 @@ from ls_fairseq import ops
 
 @dataclass
 class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
-    pass
+    ls_peak_tflops: float = field(
+        default=989.0,
+        metadata={"help": "the GPU's dense fp16/bf16 peak in TFLOP/s, for the logged MFU (989: H100/H200)"},
+    )
 
 
 @register_criterion("ls_label_smoothed_cross_entropy", dataclass=LSLabelSmoothedCrossEntropyCriterionConfig)
 class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
+    def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
+                 ls_peak_tflops=989.0):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        self.peak_flops = ls_peak_tflops * 1e12
+
+    def forward(self, model, sample, reduce=True):
+        loss, sample_size, logging_output = super().forward(model, sample, reduce)
+        flops = getattr(model, "training_flops", None)
+        if flops is not None:
+            # FLOPs of the step in units of one second at peak, so that mfu = wps x this / ntokens
+            logging_output["ls_peak_seconds"] = flops(sample) / self.peak_flops
+        return loss, sample_size, logging_output
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        peak_seconds = sum(log.get("ls_peak_seconds", 0) for log in logging_outputs)
+        ntokens = sum(log.get("ntokens", 0) for log in logging_outputs)
+        if peak_seconds > 0 and ntokens > 0:
+            metrics.log_scalar("peak_seconds_per_token", peak_seconds / ntokens, ntokens, round=12)
+            metrics.log_derived(
+                "mfu",
+                lambda meters: float("{:.3g}".format(meters["wps"].avg * meters["peak_seconds_per_token"].avg))
+                if "wps" in meters
+                else 0.0,
+            )
+        if torch.cuda.is_available():
+            metrics.log_scalar("gpu_peak_gib", torch.cuda.max_memory_allocated() / 2**30, round=2)
+
     def get_logits_and_target(self, model, net_output, sample):
         logits = net_output[0]
         target = model.get_targets(sample, net_output)

@@ -29,6 +29,7 @@ from fairseq.models import (
 )
 
 from ls_fairseq import ops
+from ls_fairseq.flops import training_flops_per_target_token
 from ls_fairseq.models.layers import DecoderLayer, EncoderLayer
 
 logger = logging.getLogger(__name__)
@@ -279,6 +280,18 @@ class LSTransformerModel(FairseqEncoderDecoderModel):
 
     def max_positions(self):
         return (self.encoder.max_positions(), self.decoder.max_positions())
+
+    def training_flops(self, sample):
+        """Model FLOPs of a training step on ``sample`` (ls_fairseq.flops), from host-side shapes only."""
+        src, target, ntokens = sample["net_input"]["src_tokens"], sample["target"], sample["ntokens"]
+        fc1 = self.encoder.layers[0].fc1 if len(self.encoder.layers) else self.decoder.layers[0].fc1
+        per_token = training_flops_per_target_token(
+            dim=self.decoder.embed_tokens.embedding_dim, ffn=fc1.out_features,
+            encoder_layers=len(self.encoder.layers), decoder_layers=len(self.decoder.layers),
+            vocab=self.decoder.output_projection.out_features, src_len=src.shape[1], tgt_len=target.shape[1],
+            src_per_tgt=src.shape[1] / max(target.shape[1], 1),
+        )
+        return per_token * ntokens
 
 
 @register_model_architecture("ls_transformer", "ls_transformer")

@@ -21,6 +21,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, REPO)
+from ls_fairseq.flops import training_flops_per_target_token  # noqa: E402 (the checkout's package)
 PEAK_TFLOPS = 989.0  # dense fp16/bf16, H100/H200
 
 COMMON = [
@@ -38,14 +40,10 @@ ARCHS = {"big": "transformer_vaswani_wmt_en_de_big", "base": "transformer_wmt_en
 DIMS = {"big": (1024, 4096, 6, 6), "base": (512, 2048, 6, 6)}
 
 
-def flops_per_target_token(arch, src_per_tgt=28.0 / 30.0, vocab=32000, length=30.0):
-    """Training FLOPs (forward + backward = 3 x forward) per target token: 2 per
-    multiply-add of every GEMM, attention scores and context included."""
+def flops_per_target_token(arch, vocab=32000, length=30.0):
+    """Training FLOPs per target token (ls_fairseq.flops) at WMT14-like lengths."""
     d, f, enc, dec = DIMS[arch]
-    enc_layer = 2 * (4 * d * d + 2 * d * f) + 2 * 2 * length * d
-    dec_layer = 2 * (4 * d * d + 2 * d * f + 4 * d * d) + 2 * 2 * length * d * 2
-    forward = enc * enc_layer * src_per_tgt + dec * dec_layer + 2 * d * vocab
-    return 3 * forward
+    return training_flops_per_target_token(d, f, enc, dec, vocab, length * 28.0 / 30.0, length, 28.0 / 30.0)
 
 
 def run(system, arch, max_tokens, data, epochs, work):
