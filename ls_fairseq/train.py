@@ -1,7 +1,13 @@
-"""``ls-fairseq-train``: fairseq-train with the plugin loaded.
+"""``ls-fairseq-train``: fairseq-train with the plugin loaded, and bf16 on GPUs.
 
-The same command line as fairseq-train; ``--user-dir`` pointing at this
-package is added when it is not given.
+The same command line as fairseq-train. Two differences:
+- ``--user-dir`` pointing at this package is added when it is not given;
+- ``--bf16`` / ``--memory-efficient-bf16`` train in bf16 on the GPU (or CPU):
+  fairseq's option parsing turns ``--bf16`` into ``--tpu``, which fails on a
+  GPU, so unless ``--tpu`` is on the command line the flag is taken back after
+  parsing. fairseq's trainer then casts the model to bf16 and, with
+  ``--memory-efficient-bf16``, hands ls_adam the bf16 workspace (no loss
+  scaling is needed in bf16).
 """
 import os
 import sys
@@ -15,11 +21,23 @@ def with_user_dir(argv):
     return list(argv) + ["--user-dir", PLUGIN_DIR]
 
 
-def cli_main():
-    from fairseq_cli import train
+def parse_args(argv):
+    """fairseq-train's parsed options for ``argv``, with bf16 kept off the TPU path."""
+    from fairseq import options
 
-    sys.argv = [sys.argv[0]] + with_user_dir(sys.argv[1:])
-    train.cli_main()
+    args = options.parse_args_and_arch(options.get_training_parser(), input_args=argv)
+    if args.bf16 and "--tpu" not in argv:
+        args.tpu = False
+    return args
+
+
+def cli_main():
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq_cli.train import main
+
+    args = parse_args(with_user_dir(sys.argv[1:]))
+    distributed_utils.call_main(convert_namespace_to_omegaconf(args), main)
 
 
 if __name__ == "__main__":

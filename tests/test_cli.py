@@ -86,6 +86,19 @@ def test_train_save_resume_generate_and_convert(data_bin, tmp_path):
     assert all(torch.equal(ls_orig["model"][k], ls_back["model"][k]) for k in ls_orig["model"])
 
 
+def test_bf16_through_the_plugin_entry_point(data_bin, tmp_path):
+    """ls-fairseq-train keeps --bf16 off fairseq's TPU path (here on the CPU; on a GPU the same)."""
+    cmd = [bin_path("ls-fairseq-train"), str(data_bin / "data-bin"), "--save-dir", str(tmp_path)]
+    proc = run(cmd + TRAIN + ["--max-update", "4", "--memory-efficient-bf16", "--disable-validation"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"\bloss[ =]([\d.]+)", proc.stdout + proc.stderr)]
+    assert losses and all(0 < loss < 20 for loss in losses)
+    state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
+    assert state["cfg"]["common"]["bf16"] and not state["cfg"]["common"]["tpu"]
+    weights = state["model"]["encoder.embed_tokens.weight"]  # saved in fp32, trained in bf16
+    assert torch.equal(weights, weights.bfloat16().float())
+
+
 def test_fine_tune_a_stock_model_with_the_plugin(data_bin, tmp_path):
     stock_dir = tmp_path / "stock"
     stock_args = ["--arch", "transformer_tiny", "--share-all-embeddings", "--criterion", "label_smoothed_cross_entropy",

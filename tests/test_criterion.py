@@ -27,8 +27,8 @@ def test_equals_fairseq_label_smoothed_cross_entropy(eps, prefix, accuracy):
     assert_close(l_ls, l_ref, rtol=1e-6, atol=0, what="loss")
     assert_close(log_ls["nll_loss"], log_ref["nll_loss"], rtol=1e-6, atol=0, what="nll_loss")
     assert s_ls == s_ref
-    assert set(log_ls) - {"ls_peak_seconds"} == set(log_ref)
-    assert log_ls["ls_peak_seconds"] > 0  # the step's model FLOPs / peak, for the logged MFU
+    assert set(log_ls) - {"ls_flops", "ls_peak_flops"} == set(log_ref)
+    assert log_ls["ls_flops"] > 0 and log_ls["ls_peak_flops"] == 989e12  # for the logged MFU
     for key in ("ntokens", "nsentences", "sample_size", "n_correct", "total"):
         assert log_ls.get(key) == log_ref.get(key), key
     for name in g_ref:

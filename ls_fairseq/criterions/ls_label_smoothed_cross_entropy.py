@@ -40,20 +40,22 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         loss, sample_size, logging_output = super().forward(model, sample, reduce)
         flops = getattr(model, "training_flops", None)
         if flops is not None:
-            # FLOPs of the step in units of one second at peak, so that mfu = wps x this / ntokens
-            logging_output["ls_peak_seconds"] = flops(sample) / self.peak_flops
+            logging_output["ls_flops"] = flops(sample)
+            logging_output["ls_peak_flops"] = self.peak_flops
         return loss, sample_size, logging_output
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
         super().reduce_metrics(logging_outputs)
-        peak_seconds = sum(log.get("ls_peak_seconds", 0) for log in logging_outputs)
+        flops = sum(log.get("ls_flops", 0) for log in logging_outputs)
         ntokens = sum(log.get("ntokens", 0) for log in logging_outputs)
-        if peak_seconds > 0 and ntokens > 0:
-            metrics.log_scalar("peak_seconds_per_token", peak_seconds / ntokens, ntokens, round=12)
+        peak = max((log.get("ls_peak_flops", 0) for log in logging_outputs), default=0)
+        if flops > 0 and ntokens > 0 and peak > 0:
+            # model GFLOPs per target token (ls_fairseq.flops); mfu = wps x FLOPs per token / peak
+            metrics.log_scalar("gflops_per_tok", flops / ntokens / 1e9, ntokens, round=3)
             metrics.log_derived(
                 "mfu",
-                lambda meters: float("{:.3g}".format(meters["wps"].avg * meters["peak_seconds_per_token"].avg))
+                lambda meters: float("{:.3g}".format(meters["wps"].avg * meters["gflops_per_tok"].avg * 1e9 / peak))
                 if "wps" in meters
                 else 0.0,
             )
