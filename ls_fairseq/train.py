@@ -9,6 +9,7 @@ The same command line as fairseq-train. Two differences:
   ``--memory-efficient-bf16``, hands ls_adam the bf16 workspace (no loss
   scaling is needed in bf16).
 """
+import logging
 import os
 import sys
 
@@ -35,6 +36,15 @@ def cli_main():
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.distributed import utils as distributed_utils
     from fairseq_cli.train import main
+
+    # fairseq-train's log format (importing this package already configured logging otherwise)
+    logging.basicConfig(
+        format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        level=os.environ.get("LOGLEVEL", "INFO").upper(),
+        stream=sys.stdout,
+        force=True,
+    )
 
     args = parse_args(with_user_dir(sys.argv[1:]))
     distributed_utils.call_main(convert_namespace_to_omegaconf(args), main)
