@@ -32,9 +32,12 @@ COMMON = [
 ]
 SYSTEMS = {
     # name: (architecture prefix, criterion, optimizer, precision flags, loads the plugin)
+    # ls systems run through ls-fairseq-train (python -m ls_fairseq.train), which keeps bf16 on the GPU
     "stock-fp16": ("", "label_smoothed_cross_entropy", "adam", ["--fp16"], False),
     "ls-fp16": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--memory-efficient-fp16"], True),
     "ls-fp16-master": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--fp16"], True),
+    "ls-bf16": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--memory-efficient-bf16"], True),
+    "ls-bf16-master": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--memory-efficient-bf16", "--ls-fp32-master"], True),
 }
 ARCHS = {"big": "transformer_vaswani_wmt_en_de_big", "base": "transformer_wmt_en_de"}
 DIMS = {"big": (1024, 4096, 6, 6), "base": (512, 2048, 6, 6)}
@@ -50,7 +53,8 @@ def run(system, arch, max_tokens, data, epochs, work):
     prefix, criterion, optimizer, precision, with_ls = SYSTEMS[system]
     name = "{}-{}-{}".format(arch, system, max_tokens)
     hooks_out = os.path.join(work, name + ".hooks.json")
-    cmd = [sys.executable, "-m", "fairseq_cli.train", data, "--user-dir", os.path.join(HERE, "bench_hooks"),
+    entry = "ls_fairseq.train" if with_ls else "fairseq_cli.train"
+    cmd = [sys.executable, "-m", entry, data, "--user-dir", os.path.join(HERE, "bench_hooks"),
            "--arch", prefix + ARCHS[arch], "--criterion", criterion, "--optimizer", optimizer,
            "--max-tokens", str(max_tokens), "--max-epoch", str(epochs),
            "--tensorboard-logdir", os.path.join(work, "tensorboard", name)] + precision + COMMON
@@ -148,7 +152,7 @@ def main():
     parser.add_argument("--full", action="store_true", help="max-tokens 512..16384, big and base")
     parser.add_argument("--max-tokens", default="4096,8192,16384")
     parser.add_argument("--archs", default="big")
-    parser.add_argument("--systems", default="stock-fp16,ls-fp16")
+    parser.add_argument("--systems", default="stock-fp16,ls-fp16,ls-bf16", help=", ".join(SYSTEMS))
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=12000)
     args = parser.parse_args()
