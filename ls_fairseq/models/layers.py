@@ -24,10 +24,6 @@ def _xavier_blocks(weight, block_rows, gain):
         nn.init.xavier_uniform_(weight.data[start : start + block_rows], gain=gain)
 
 
-def _linear(in_dim, out_dim, bias=True):
-    return nn.Linear(in_dim, out_dim, bias=bias)
-
-
 class SelfAttention(nn.Module):
     """Parameters of one self-attention block: fused qkv_proj ([q; k; v]) and out_proj."""
 
@@ -35,8 +31,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.scaling = (embed_dim // num_heads) ** -0.5
-        self.qkv_proj = _linear(embed_dim, 3 * embed_dim)
-        self.out_proj = _linear(embed_dim, embed_dim)
+        self.qkv_proj = nn.Linear(embed_dim, 3 * embed_dim)
+        self.out_proj = nn.Linear(embed_dim, embed_dim)
         _xavier_blocks(self.qkv_proj.weight, embed_dim, 1 / math.sqrt(2))
         nn.init.uniform_(self.qkv_proj.bias, -(embed_dim**-0.5), embed_dim**-0.5)
         nn.init.xavier_uniform_(self.out_proj.weight)
@@ -51,8 +47,8 @@ class CrossAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.scaling = (embed_dim // num_heads) ** -0.5
-        self.q_proj = _linear(embed_dim, embed_dim)
-        self.out_proj = _linear(embed_dim, embed_dim)
+        self.q_proj = nn.Linear(embed_dim, embed_dim)
+        self.out_proj = nn.Linear(embed_dim, embed_dim)
         nn.init.xavier_uniform_(self.q_proj.weight, gain=1 / math.sqrt(2))
         nn.init.xavier_uniform_(self.out_proj.weight)
         nn.init.constant_(self.out_proj.bias, 0.0)
@@ -68,8 +64,8 @@ class _Layer(nn.Module):
         self.activation_fn = cfg.activation_fn
         self.self_attn = SelfAttention(embed_dim, num_heads)
         self.self_attn_layer_norm = nn.LayerNorm(embed_dim)
-        self.fc1 = _linear(embed_dim, ffn_dim)
-        self.fc2 = _linear(ffn_dim, embed_dim)
+        self.fc1 = nn.Linear(embed_dim, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, embed_dim)
         self.final_layer_norm = nn.LayerNorm(embed_dim)
 
     def _norm(self, x, ln, before):

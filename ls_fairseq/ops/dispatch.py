@@ -4,9 +4,10 @@ An op takes the compiled kernel when the extension ``ls_fairseq._C`` is loaded,
 its input lives on a CUDA device, and the op is not forced onto the reference
 path. ``LS_FAIRSEQ_REFERENCE=all`` forces every op onto its PyTorch reference;
 ``LS_FAIRSEQ_REFERENCE=layer_norm,softmax`` forces the named ones (for
-debugging and for A/B checks on the GPU). The variable is read on every call,
+debugging and for A/B checks on the GPU). The variable is read on every call (its parsing cached),
 so tests may change it.
 """
+import functools
 import logging
 import os
 
@@ -57,18 +58,19 @@ def extension_error():
     return _ext_error
 
 
-def forced_reference(op):
-    value = os.environ.get("LS_FAIRSEQ_REFERENCE", "").strip()
-    if not value:
-        return False
-    names = {v.strip() for v in value.split(",") if v.strip()}
+@functools.lru_cache(maxsize=8)
+def _forced_names(value):
+    names = frozenset(v.strip() for v in value.split(",") if v.strip())
     unknown = names - set(OPS) - {"all"}
     if unknown:
         raise ValueError(
-            "LS_FAIRSEQ_REFERENCE names unknown op(s) {}; known: all, {}".format(
-                sorted(unknown), ", ".join(OPS)
-            )
+            "LS_FAIRSEQ_REFERENCE names unknown op(s) {}; known: all, {}".format(sorted(unknown), ", ".join(OPS))
         )
+    return names
+
+
+def forced_reference(op):
+    names = _forced_names(os.environ.get("LS_FAIRSEQ_REFERENCE", "").strip())
     return "all" in names or op in names
 
 
