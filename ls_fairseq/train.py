@@ -1,7 +1,9 @@
 """``ls-fairseq-train``: fairseq-train with the plugin loaded, and bf16 on GPUs.
 
-The same command line as fairseq-train. Two differences:
+The same command line as fairseq-train. Three differences:
 - ``--user-dir`` pointing at this package is added when it is not given;
+- the trainer is ``ls_fairseq.trainer.LSTrainer`` (fairseq's, with ls_adam's
+  mixed-precision step decided on the device: no host sync inside an update);
 - ``--bf16`` / ``--memory-efficient-bf16`` train in bf16 on the GPU (or CPU):
   fairseq's option parsing turns ``--bf16`` into ``--tpu``, which fails on a
   GPU, so unless ``--tpu`` is on the command line the flag is taken back after
@@ -35,7 +37,9 @@ def parse_args(argv):
 def cli_main():
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.distributed import utils as distributed_utils
-    from fairseq_cli.train import main
+    from fairseq_cli import train
+
+    from ls_fairseq.trainer import LSTrainer
 
     # fairseq-train's log format (importing this package already configured logging otherwise)
     logging.basicConfig(
@@ -47,7 +51,8 @@ def cli_main():
     )
 
     args = parse_args(with_user_dir(sys.argv[1:]))
-    distributed_utils.call_main(convert_namespace_to_omegaconf(args), main)
+    train.Trainer = LSTrainer  # the name fairseq-train's main() builds its trainer from
+    distributed_utils.call_main(convert_namespace_to_omegaconf(args), train.main)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ import torch
 from helpers import DTYPES, kernel, rel_error
 
 from ls_fairseq import ops
-from ls_fairseq.ops.adam import adam_step_reference, grad_norm_reference
+from ls_fairseq.ops.adam import (
+    GOOD_STEPS, GRAD_NORM, GRAD_SCALE, LOSS_SCALE, OVERFLOW, STEP, adam_step_reference, grad_norm_reference,
+    scaled_grad_norm_reference,
+)
 
 
 def state(n, dtype, device, master):
@@ -61,6 +64,87 @@ def test_kernel_grad_norm(dtype, n):
     assert rel_error(ext.grad_norm(g), grad_norm_reference(g.double())) < 1e-5
     g[n // 2] = float("inf")
     assert torch.isinf(ext.grad_norm(g))
+
+
+SCALER_CASES = [  # factor, max_norm, scale_window, scale_floor, loss_scale, good_steps, inf
+    (1 / 300.0, 0.0, 0, 0.0, 1.0, 0, False),  # bf16/fp32: no scale, no clip
+    (1 / 300.0, 0.5, 4, 0.0, 1024.0, 1, False),  # clipped, counting good steps
+    (1 / 300.0, 1e9, 4, 0.0, 1024.0, 3, False),  # not clipped, the scale doubles
+    (1 / 300.0, 0.5, 4, 512.0, 1024.0, 2, True),  # overflow: halved (to the floor), not stepped
+    (1 / 300.0, 0.5, 4, 1000.0, 1024.0, 2, True),  # the floor stops the halving
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 4097, 10_000_019])
+@pytest.mark.parametrize("case", SCALER_CASES)
+def test_kernel_scaled_grad_norm_matches_reference(dtype, n, case):
+    factor, max_norm, window, floor, scale, good, inf = case
+    g = (torch.randn(n, device="cuda") * scale).to(dtype)
+    if inf:
+        g[n // 3] = float("inf") if n % 2 else float("nan")
+    ext = kernel("adam", g)
+    for _ in range(2):  # the second call checks that the kernel left its block counter at zero
+        a = ops.new_scaler_state(scale, "cuda")
+        a[GOOD_STEPS], a[STEP] = good, 5
+        b = a.double().clone()
+        ext.scaled_grad_norm(g, a, factor, max_norm, float(window), floor)
+        scaled_grad_norm_reference(g.double(), b, factor, max_norm, window, floor)
+        assert a[-1] == 0, "block counter not reset"
+        for slot in (LOSS_SCALE, GOOD_STEPS, OVERFLOW, STEP):
+            assert a[slot].item() == b[slot].item(), slot
+        if not inf:
+            assert rel_error(a[GRAD_NORM], b[GRAD_NORM]) < 1e-5
+            assert rel_error(a[GRAD_SCALE], b[GRAD_SCALE]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_step_count_from_the_device(dtype):
+    a = state(4097, dtype, "cuda", True)
+    b = {k: v.clone() for k, v in a.items()}
+    ext = kernel("adam", a["param"])
+    args = (1e-3, 0.9, 0.98, 1e-8, 0.01)
+    ext.adam_step(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a["master"], *args,
+                  torch.tensor(7.0, device="cuda"), 0.01, True, None)
+    ext.adam_step(b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], b["master"], *args, 7, 0.01, True, None)
+    assert rel_error(a["master"], b["master"]) < 1e-6
+    assert torch.equal(a["exp_avg"], b["exp_avg"])
+
+
+@pytest.mark.gpu
+def test_a_device_decided_step_is_two_launches_and_no_host_sync():
+    """ls-fairseq-train's optimizer step: one reduction, one update, nothing read by the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = torch.nn.Linear(257, 129).cuda().half()
+    opt = device_step_adam(model)
+    loss = model(torch.randn(33, 257, device="cuda").half()).float().pow(2).sum()
+    opt.backward(loss)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            opt.multiply_grads(1 / 33.0)
+            opt.clip_grad_norm(1.0)
+            opt.step()
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 2 and "grad_norm" in kernels[0] and "adam" in kernels[1], kernels
+
+
+def device_step_adam(model):
+    from omegaconf import OmegaConf
+
+    from ls_fairseq.optim.ls_adam import LSAdam, LSAdamConfig
+    from ls_fairseq.optim.mixed_precision import DeviceStepAdam
+
+    cfg = OmegaConf.structured(LSAdamConfig(lr=[1e-3]))
+    scaler = dict(init_scale=128.0, scale_window=100, scale_floor=0.0, min_loss_scale=1e-4)
+    return DeviceStepAdam(cfg, LSAdam(cfg, list(model.parameters())), scaler)
 
 
 def test_reference_noop_flag_and_sizes_on_cpu():

@@ -99,6 +99,28 @@ def test_bf16_through_the_plugin_entry_point(data_bin, tmp_path):
     assert torch.equal(weights, weights.bfloat16().float())
 
 
+def test_fp16_loss_scale_decided_on_the_device(data_bin, tmp_path):
+    """ls-fairseq-train --fp16: ls_adam's device loss scaler skips and counts the overflowing steps,
+    logs the scale, saves it, and a resumed run continues from it."""
+    cmd = [bin_path("ls-fairseq-train"), str(data_bin / "data-bin"), "--save-dir", str(tmp_path)]
+    args = TRAIN + ["--fp16", "--fp16-init-scale", str(2**17), "--disable-validation"]
+    proc = run(cmd + args + ["--max-update", "10"])
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    intervals = re.findall(r"train_inner.*", log) or re.findall(r".*num_updates[ =](?:5|10)\b.*", log)
+    assert len(intervals) == 2, log[-3000:]
+    skipped = [int(re.search(r"skipped[ =](\d+)", line).group(1)) for line in intervals]
+    scales = [float(re.search(r"loss_scale[ =]([\d.]+)", line).group(1)) for line in intervals]
+    assert skipped[0] >= 1 and scales[0] < 2**17, intervals  # 2^17 overflows fp16 gradients
+    assert re.search(r"gnorm[ =]\d+\.\d+", intervals[-1]) and re.search(r"clip[ =]\d", intervals[-1])
+    saved = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)["last_optimizer_state"]
+    assert saved["loss_scale"] == scales[-1] and saved["state"]["step"] == 10 - sum(skipped)
+    assert saved["state"]["master"].dtype == torch.float32  # --fp16: fp32 master weights inside ls_adam
+    proc = run(cmd + args + ["--max-update", "12"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)["last_optimizer_state"]["state"]["step"] > 10 - sum(skipped)
+
+
 def test_fine_tune_a_stock_model_with_the_plugin(data_bin, tmp_path):
     stock_dir = tmp_path / "stock"
     stock_args = ["--arch", "transformer_tiny", "--share-all-embeddings", "--criterion", "label_smoothed_cross_entropy",

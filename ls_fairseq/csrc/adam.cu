@@ -7,8 +7,13 @@
 // A non-zero device noop flag (an overflow found by grad_norm's caller) turns
 // the step into a no-op without a host synchronisation. Any length: a 16-byte
 // vector body and a scalar tail, nothing read past the end.
-// grad_norm: sum of squares in fixed-size blocks, then one block adds the
-// partials in order (deterministic); inf/NaN propagate into the result.
+// grad_norm: one launch. Sums of squares in fixed-size blocks; the last block to
+// finish adds the partials in order (deterministic) and, given an epilogue, makes
+// the mixed-precision step's decision on the device: the true norm (unscaled),
+// the overflow flag (inf/NaN), the factor the update multiplies gradients by
+// (1 / loss scale x host factor x clip coefficient), Adam's step count (not
+// advanced by a skipped step) and the dynamic loss scale (halved on overflow,
+// doubled after scale_window good steps). The host never reads any of it.
 #include "common.cuh"
 
 namespace ls {
@@ -26,6 +31,10 @@ template <typename T, int V>
 __global__ void adam_kernel(T* __restrict__ param, const T* __restrict__ grad, float* __restrict__ exp_avg,
                             float* __restrict__ exp_avg_sq, float* __restrict__ master, int64_t n, AdamArgs a) {
   if (a.noop_flag && *a.noop_flag != 0.f) return;
+  if (a.step_ptr) {
+    const float t = *a.step_ptr;
+    a.step_size = a.lr * sqrtf(1.f - powf(a.beta2, t)) / (1.f - powf(a.beta1, t));
+  }
   const float gs = a.grad_scale * (a.grad_scale_ptr ? *a.grad_scale_ptr : 1.f);
   for (int64_t base = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V; base < n;
        base += int64_t(gridDim.x) * blockDim.x * V) {
@@ -57,27 +66,62 @@ __global__ void adam_kernel(T* __restrict__ param, const T* __restrict__ grad, f
   }
 }
 
+__device__ void scaler_epilogue(float sum_squares, const NormEpilogue& e) {
+  float* st = e.state;
+  const float scale = st[0];
+  const float norm = sqrtf(sum_squares) * e.factor / scale;
+  const bool overflow = !isfinite(norm);
+  // fairseq's clip_grad_norm: coefficient max_norm / (norm + 1e-6), at most 1
+  const float clip = e.max_norm > 0.f ? fminf(1.f, e.max_norm / (norm + 1e-6f)) : 1.f;
+  st[2] = norm;
+  st[3] = e.factor / scale * clip;
+  st[4] = overflow ? 1.f : 0.f;
+  if (!overflow) st[5] += 1.f;
+  if (e.scale_window > 0.f) {
+    if (overflow) {
+      st[0] = fmaxf(scale * 0.5f, e.scale_floor);
+      st[1] = 0.f;
+    } else if (st[1] + 1.f >= e.scale_window) {
+      st[0] = scale * 2.f;
+      st[1] = 0.f;
+    } else {
+      st[1] += 1.f;
+    }
+  }
+}
+
 template <typename T>
-__global__ void sum_squares_kernel(const T* __restrict__ x, int64_t n, float* __restrict__ partial) {
+__global__ void grad_norm_kernel(const T* __restrict__ x, int64_t n, float* __restrict__ partial,
+                                 unsigned* __restrict__ counter, float* __restrict__ out, NormEpilogue e) {
+  __shared__ bool last;
   float s = 0.f;
-  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
-    const float v = to_f(x[e]);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = to_f(x[i]);
     s += v * v;
   }
   s = block_sum(s);
-  if (threadIdx.x == 0) partial[blockIdx.x] = s;
-}
-
-__global__ void norm_finish_kernel(const float* __restrict__ partial, int count, float* __restrict__ out) {
-  float s = 0.f;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) s += partial[i];
+  if (threadIdx.x == 0) {
+    partial[blockIdx.x] = s;
+    __threadfence();  // the partial is visible before the counter says so
+    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  s = 0.f;
+  for (int i = threadIdx.x; i < gridDim.x; i += blockDim.x) s += __ldcg(partial + i);
   s = block_sum(s);
-  if (threadIdx.x == 0) *out = sqrtf(s);
+  if (threadIdx.x == 0) {
+    *out = sqrtf(s);
+    if (e.state) scaler_epilogue(s, e);
+    *counter = 0u;
+  }
 }
 
-void grad_norm(DType dt, const void* grad, int64_t n, float* partial, float* out, cudaStream_t stream) {
-  LS_DISPATCH(dt, { sum_squares_kernel<T><<<kNormBlocks, 512, 0, stream>>>((const T*)grad, n, partial); })
-  norm_finish_kernel<<<1, 512, 0, stream>>>(partial, kNormBlocks, out);
+void grad_norm(DType dt, const void* grad, int64_t n, float* partial, unsigned* counter, float* out,
+               const NormEpilogue* epilogue, cudaStream_t stream) {
+  const NormEpilogue e = epilogue ? *epilogue : NormEpilogue{};
+  LS_DISPATCH(dt, { grad_norm_kernel<T><<<kNormBlocks, 512, 0, stream>>>((const T*)grad, n, partial, counter, out, e); })
 }
 
 void adam_step(DType dt, void* param, const void* grad, float* exp_avg, float* exp_avg_sq, float* master, int64_t n,

@@ -412,7 +412,7 @@ const float* device_scalar(const Tensor& t, const Tensor& param, const char* nam
 
 void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                const std::optional<Tensor>& master, double lr, double beta1, double beta2, double eps,
-               double weight_decay, int64_t step, const py::object& grad_scale, bool decoupled,
+               double weight_decay, const py::object& step, const py::object& grad_scale, bool decoupled,
                const std::optional<Tensor>& noop_flag) {
   check(param, "param");
   check_like(grad, param, "grad", "param");
@@ -420,7 +420,6 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
   check_f32_like(exp_avg, param, "exp_avg");
   check_f32_like(exp_avg_sq, param, "exp_avg_sq");
   if (master) check_f32_like(*master, param, "master");
-  TORCH_CHECK(step >= 1, "adam_step: step must be at least 1, got ", step);
   const c10::cuda::CUDAGuard guard(param.device());
   ls::AdamArgs a{};
   a.lr = float(lr);
@@ -428,8 +427,16 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
   a.beta2 = float(beta2);
   a.eps = float(eps);
   a.weight_decay = float(weight_decay);
-  a.step_size = float(lr * std::sqrt(1.0 - std::pow(beta2, double(step))) / (1.0 - std::pow(beta1, double(step))));
   a.decoupled = decoupled;
+  Tensor step_tensor;
+  if (THPVariable_Check(step.ptr())) {
+    step_tensor = THPVariable_Unpack(step.ptr()).to(at::kFloat).contiguous();
+    a.step_ptr = device_scalar(step_tensor, param, "step");
+  } else {
+    const int64_t t = step.cast<int64_t>();
+    TORCH_CHECK(t >= 1, "adam_step: step must be at least 1, got ", t);
+    a.step_size = float(lr * std::sqrt(1.0 - std::pow(beta2, double(t))) / (1.0 - std::pow(beta1, double(t))));
+  }
   Tensor scale_tensor;
   if (THPVariable_Check(grad_scale.ptr())) {
     scale_tensor = THPVariable_Unpack(grad_scale.ptr()).to(at::kFloat).contiguous();
@@ -453,11 +460,30 @@ Tensor grad_norm(const Tensor& grad) {
   check(grad, "grad");
   const c10::cuda::CUDAGuard guard(grad.device());
   auto partial = torch::empty({ls::kNormBlocks}, grad.options().dtype(at::kFloat));
+  auto counter = torch::zeros({1}, grad.options().dtype(at::kInt));
   auto out = torch::empty({}, grad.options().dtype(at::kFloat));
   ls::grad_norm(dtype_of(grad, "grad"), grad.data_ptr(), grad.numel(), partial.data_ptr<float>(),
-                out.data_ptr<float>(), stream());
+                reinterpret_cast<unsigned*>(counter.data_ptr<int>()), out.data_ptr<float>(), nullptr, stream());
   CHECK_CUDA_OK();
   return out;
+}
+
+// state: ops/adam.py's ScalerState slots; its last slot is the kernel's zeroed block counter.
+void scaled_grad_norm(const Tensor& grad, const Tensor& state, double factor, double max_norm, double scale_window,
+                      double scale_floor) {
+  check(grad, "grad");
+  check(state, "state");
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.dim() == 1 && state.numel() == 7,
+              "scaled_grad_norm: state must be a float32 vector of 7 slots, got ", state.scalar_type(), " ",
+              state.sizes());
+  TORCH_CHECK(state.device() == grad.device(), "scaled_grad_norm: state must be on grad's device ", grad.device());
+  const c10::cuda::CUDAGuard guard(grad.device());
+  auto partial = torch::empty({ls::kNormBlocks}, grad.options().dtype(at::kFloat));
+  float* st = state.data_ptr<float>();
+  const ls::NormEpilogue e{st, float(factor), float(max_norm), float(scale_window), float(scale_floor)};
+  ls::grad_norm(dtype_of(grad, "grad"), grad.data_ptr(), grad.numel(), partial.data_ptr<float>(),
+                reinterpret_cast<unsigned*>(st + 6), st + 2, &e, stream());
+  CHECK_CUDA_OK();
 }
 
 }  // namespace
@@ -480,4 +506,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_backward", &cross_entropy_backward);
   m.def("adam_step", &adam_step);
   m.def("grad_norm", &grad_norm);
+  m.def("scaled_grad_norm", &scaled_grad_norm);
 }

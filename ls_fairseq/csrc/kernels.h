@@ -84,11 +84,23 @@ void cross_entropy_backward(DType dt, const float* dloss, const float* dnll, con
 
 // adam.cu
 constexpr int kNormBlocks = 512;  // partial: kNormBlocks floats
-void grad_norm(DType dt, const void* grad, int64_t n, float* partial, float* out, cudaStream_t stream);
+// The loss-scale and clipping decision grad_norm can take on the device once the
+// norm is known (ls_fairseq/ops/adam.py, ScalerState, documents the state slots).
+struct NormEpilogue {
+  float* state;        // [loss_scale, good_steps, grad_norm, grad_scale, overflow, step]
+  float factor;        // host multiplier of the gradients (e.g. 1 / sample_size)
+  float max_norm;      // clip to this norm; 0: no clipping
+  float scale_window;  // double the scale after this many good steps; 0: the scale stays
+  float scale_floor;   // the scale never halves below this
+};
+// counter: one zeroed unsigned int; the kernel leaves it zero again.
+void grad_norm(DType dt, const void* grad, int64_t n, float* partial, unsigned* counter, float* out,
+               const NormEpilogue* epilogue, cudaStream_t stream);
 struct AdamArgs {
   float lr, beta1, beta2, eps, weight_decay, step_size, grad_scale;
   const float* grad_scale_ptr;  // when set, multiplies grad_scale (a device scalar: no host sync)
   const float* noop_flag;       // when set and non-zero (a device scalar), the step changes nothing
+  const float* step_ptr;        // when set, the step count t (a device scalar) replaces step_size's
   bool decoupled;
 };
 void adam_step(DType dt, void* param, const void* grad, float* exp_avg, float* exp_avg_sq, float* master, int64_t n,

@@ -1,6 +1,6 @@
 """Fused Transformer ops: one module per op, each with its PyTorch reference,
 its autograd Function and one dispatch point (see ``dispatch``)."""
-from ls_fairseq.ops.adam import adam_step, grad_norm
+from ls_fairseq.ops.adam import adam_step, grad_norm, new_scaler_state, scaled_grad_norm
 from ls_fairseq.ops.attention import attention
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout
 from ls_fairseq.ops.bias_dropout_residual import bias_dropout_residual
@@ -21,6 +21,8 @@ __all__ = [
     "layer_norm",
     "make_positions",
     "merge_heads",
+    "new_scaler_state",
+    "scaled_grad_norm",
     "softmax",
     "split_heads",
 ]

@@ -10,15 +10,29 @@ L2 decay added to the gradient when ``decoupled`` is False:
   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
   p -= lr * wd * p (if decoupled);  p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)
 
-``grad_scale`` (a float or a device scalar, so no host sync is needed to
-read it) folds the loss-scale division and a clip coefficient into the update. When ``noop_flag`` (a device scalar) is non-zero the step leaves
-everything untouched, with no host synchronisation to decide that.
-"""
-import math
+``grad_scale`` and ``step`` (each a number or a device scalar, so no host sync
+is needed to read them) fold the loss-scale division and a clip coefficient into
+the update and give the bias correction's t. When ``noop_flag`` (a device
+scalar) is non-zero the step leaves everything untouched, with no host
+synchronisation to decide that.
 
+``scaled_grad_norm`` is the one reduction of a mixed-precision step: the norm of
+the (loss-scaled) gradient workspace and, from it, on the device, the decision
+the update reads. Its state is one fp32 vector (slots below); with a dynamic
+scale (``scale_window`` > 0) it is fairseq's DynamicLossScaler without a host:
+
+  norm = |grad| * factor / loss_scale;  overflow = not isfinite(norm)
+  grad_scale = factor / loss_scale * min(1, max_norm / (norm + 1e-6))  (no clip: 1)
+  step += 1 unless overflow
+  overflow: loss_scale = max(loss_scale / 2, scale_floor), good_steps = 0
+  else: good_steps += 1, and at scale_window: loss_scale *= 2, good_steps = 0
+"""
 import torch
 
 from ls_fairseq.ops import dispatch
+
+# slots of the state vector of scaled_grad_norm; COUNTER belongs to the kernel (kept zero)
+LOSS_SCALE, GOOD_STEPS, GRAD_NORM, GRAD_SCALE, OVERFLOW, STEP, COUNTER = range(7)
 
 
 def adam_step_reference(
@@ -30,7 +44,7 @@ def adam_step_reference(
         g = g + weight_decay * p
     m = exp_avg * beta1 + (1 - beta1) * g
     v = exp_avg_sq * beta2 + (1 - beta2) * g * g
-    step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+    step_size = lr * (1 - beta2**step) ** 0.5 / (1 - beta1**step)
     new_p = p
     if weight_decay != 0 and decoupled:
         new_p = new_p - lr * weight_decay * new_p
@@ -48,6 +62,29 @@ def adam_step_reference(
 def grad_norm_reference(grad):
     """L2 norm of the whole gradient workspace, fp32 0-d tensor (inf/NaN propagate)."""
     return grad.float().norm()
+
+
+def scaled_grad_norm_reference(grad, state, factor, max_norm, scale_window, scale_floor):
+    scale = state[LOSS_SCALE].clone()
+    norm = grad.float().norm() * factor / scale
+    overflow = ~torch.isfinite(norm)
+    clip = (max_norm / (norm + 1e-6)).clamp(max=1) if max_norm > 0 else 1.0
+    state[GRAD_NORM] = norm
+    state[GRAD_SCALE] = factor / scale * clip
+    state[OVERFLOW] = overflow.float()
+    state[STEP] += (~overflow).float()
+    if scale_window > 0:
+        good = state[GOOD_STEPS] + 1
+        grow = ~overflow & (good >= scale_window)
+        state[LOSS_SCALE] = torch.where(overflow, (scale * 0.5).clamp(min=scale_floor), torch.where(grow, scale * 2, scale))
+        state[GOOD_STEPS] = torch.where(overflow | grow, torch.zeros_like(good), good)
+
+
+def new_scaler_state(loss_scale, device):
+    """The state vector of scaled_grad_norm: the given loss scale, Adam's step count 0."""
+    state = torch.zeros(COUNTER + 1, dtype=torch.float32, device=device)
+    state[LOSS_SCALE] = loss_scale
+    return state
 
 
 def adam_step(
@@ -77,10 +114,19 @@ def adam_step(
     impl = dispatch.extension().adam_step if dispatch.use_kernel("adam", param) else adam_step_reference
     impl(
         param, grad, exp_avg, exp_avg_sq, master, float(lr), float(beta1), float(beta2), float(eps),
-        float(weight_decay), int(step), grad_scale, bool(decoupled), noop_flag,
+        float(weight_decay), step if torch.is_tensor(step) else int(step), grad_scale, bool(decoupled), noop_flag,
     )
 
 
 def grad_norm(grad):
     impl = dispatch.extension().grad_norm if dispatch.use_kernel("adam", grad) else grad_norm_reference
     return impl(grad)
+
+
+def scaled_grad_norm(grad, state, *, factor=1.0, max_norm=0.0, scale_window=0, scale_floor=0.0):
+    """The norm of ``grad`` and the step's loss-scale/clip decision, written into ``state`` (one launch)."""
+    if state.dtype != torch.float32 or state.shape != (COUNTER + 1,):
+        raise ValueError("scaled_grad_norm: state must be new_scaler_state's fp32 vector of {} slots, got {} {}".format(
+            COUNTER + 1, state.dtype, tuple(state.shape)))
+    impl = dispatch.extension().scaled_grad_norm if dispatch.use_kernel("adam", grad) else scaled_grad_norm_reference
+    impl(grad, state, float(factor), float(max_norm), float(scale_window), float(scale_floor))

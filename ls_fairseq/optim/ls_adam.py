@@ -111,12 +111,16 @@ class WorkspaceAdam(torch.optim.Optimizer):
         self.grads_reduced = False
 
     @torch.no_grad()
-    def step(self, closure=None, scale=1.0):
-        """One update of the whole workspace; gradients are divided by ``scale`` inside it."""
+    def step(self, closure=None, scale=1.0, device_decision=None):
+        """One update of the whole workspace; gradients are divided by ``scale`` inside it.
+
+        ``device_decision``: (grad_scale, step, noop_flag) device scalars of a step
+        decided on the device (ops.scaled_grad_norm); they replace 1 / scale, the
+        host's step count and the always-taken step."""
         loss = closure() if closure is not None else None
         group = self.param_groups[0]
         self.num_steps += 1
-        grad_scale = 1.0 / scale
+        grad_scale, step, noop_flag = device_decision or (1.0 / scale, self.num_steps, None)
         ops.adam_step(
             self.workspace.param,
             self.workspace.grad,
@@ -127,9 +131,10 @@ class WorkspaceAdam(torch.optim.Optimizer):
             beta2=group["betas"][1],
             eps=group["eps"],
             weight_decay=group["weight_decay"],
-            step=self.num_steps,
+            step=step,
             grad_scale=grad_scale,
             master=self.master,
+            noop_flag=noop_flag,
         )
         return loss
 
@@ -164,9 +169,10 @@ class WorkspaceAdam(torch.optim.Optimizer):
 class LSAdam(FairseqOptimizer):
     """fairseq's adam (decoupled weight decay) over one contiguous workspace."""
 
-    def __init__(self, cfg: LSAdamConfig, params):
+    def __init__(self, cfg: LSAdamConfig, params, fp32_master=None):
         super().__init__(cfg)
-        self._optimizer = WorkspaceAdam(params, fp32_master=cfg.ls_fp32_master, **self.optimizer_config)
+        fp32_master = cfg.ls_fp32_master if fp32_master is None else fp32_master
+        self._optimizer = WorkspaceAdam(params, fp32_master=fp32_master, **self.optimizer_config)
 
     @property
     def optimizer_config(self):

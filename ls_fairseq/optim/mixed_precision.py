@@ -1,0 +1,168 @@
+"""ls_adam's mixed-precision step, decided on the device (``ls-fairseq-train``).
+
+fairseq's FP16 wrappers decide on the host whether a step overflowed: they read
+the gradient norm every step, and the trainer checks it again, so the host waits
+for the GPU once per update. Here the loss scale, the overflow flag, the clip
+coefficient and Adam's step count live in one device vector
+(``ops.scaled_grad_norm``): a step is one reduction launch and one update launch
+(``ops.adam_step`` reads the decision), and the host reads the loss scale only
+when fairseq logs it.
+
+What the trainer's precision flags mean with ls_adam here:
+- ``--fp16`` / ``--bf16``: fp16/bf16 parameters and gradients in ls_adam's
+  workspace and an fp32 master copy inside ls_adam (16 bytes per parameter with
+  the moments; fairseq's FP16Optimizer keeps 20);
+- ``--memory-efficient-fp16`` / ``--memory-efficient-bf16``: no master copy
+  (12 bytes per parameter), unless ``--ls-fp32-master``;
+- fp16 has fairseq's dynamic loss scale (``--fp16-init-scale``,
+  ``--fp16-scale-window``, ``--threshold-loss-scale``, ``--min-loss-scale``);
+  bf16 and fp32 have none.
+
+Differences from fairseq's wrappers, all for the sake of no host sync:
+- a step whose gradients are not finite leaves parameters, moments and Adam's
+  step count untouched, but fairseq's update counter and learning-rate schedule
+  still advance (they live on the host); the ``skipped`` column counts them.
+  In bf16 and fp32, where fairseq raises FloatingPointError, it is skipped too;
+- ``--min-loss-scale`` is checked whenever the trainer logs, not every step;
+- ``--fp16-scale-tolerance`` is not supported (it must stay 0, fairseq's default).
+"""
+import torch
+from fairseq.optim import FairseqOptimizer
+
+from ls_fairseq import ops
+from ls_fairseq.ops.adam import GRAD_NORM, GRAD_SCALE, GOOD_STEPS, LOSS_SCALE, OVERFLOW, STEP
+from ls_fairseq.optim.ls_adam import LSAdam
+
+
+class DeviceLossScaler:
+    """The loss scale as the trainer sees it (``optimizer.scaler.loss_scale``): a device scalar."""
+
+    def __init__(self, state, scale_window, scale_floor, min_loss_scale):
+        self.state = state
+        self.scale_window = scale_window
+        self.scale_floor = scale_floor
+        self.min_loss_scale = min_loss_scale
+
+    @property
+    def loss_scale(self):
+        return self.state[LOSS_SCALE]
+
+    def check(self):
+        """fairseq's end of training when the scale collapses (reads the device: call when logging)."""
+        scale = self.state[LOSS_SCALE].item()
+        if scale <= self.min_loss_scale:
+            raise FloatingPointError(
+                "Minimum loss scale reached ({}). Your loss is probably exploding. Try lowering the "
+                "learning rate, using gradient clipping or increasing the batch size.".format(self.min_loss_scale)
+            )
+
+
+class DeviceStepAdam(FairseqOptimizer):
+    """ls_adam whose loss scaling, clipping and overflow skipping happen on the device."""
+
+    def __init__(self, cfg, adam: LSAdam, scaler_args=None):
+        super().__init__(cfg)
+        self.adam = adam
+        self._optimizer = adam.optimizer
+        device = adam.workspace.grad.device
+        self.state = ops.new_scaler_state(scaler_args["init_scale"] if scaler_args else 1.0, device)
+        self.scaler = None
+        if scaler_args:
+            self.scaler = DeviceLossScaler(
+                self.state, scaler_args["scale_window"], scaler_args["scale_floor"], scaler_args["min_loss_scale"]
+            )
+        self.factor = 1.0
+        self.reduced = False
+
+    @classmethod
+    def build_optimizer(cls, cfg, params):
+        """From fairseq's whole config: the precision flags decide master weights and loss scaling."""
+        common = cfg.common
+        memory_efficient = common.memory_efficient_fp16 or common.memory_efficient_bf16
+        fp32_master = cfg.optimizer.ls_fp32_master or ((common.fp16 or common.bf16) and not memory_efficient)
+        adam = LSAdam(cfg.optimizer, params, fp32_master=fp32_master)
+        if not common.fp16:
+            return cls(cfg.optimizer, adam)
+        if common.fp16_scale_tolerance:
+            raise ValueError("ls-fairseq-train's device loss scaler needs --fp16-scale-tolerance 0 (fairseq's default)")
+        scale_window = common.fp16_scale_window
+        if scale_window is None:  # fairseq's default for its own scaler
+            world = cfg.distributed_training.distributed_world_size * common.model_parallel_size
+            scale_window = int(2**14 / world / cfg.optimization.update_freq[0])
+        return cls(
+            cfg.optimizer,
+            adam,
+            dict(
+                init_scale=common.fp16_init_scale,
+                scale_window=scale_window,
+                scale_floor=common.threshold_loss_scale or 0.0,
+                min_loss_scale=common.min_loss_scale,
+            ),
+        )
+
+    @property
+    def workspace(self):
+        return self.adam.workspace
+
+    @property
+    def grad_norm(self):
+        return self.state[GRAD_NORM]
+
+    @property
+    def overflow(self):
+        return self.state[OVERFLOW]
+
+    def backward(self, loss):
+        if self.scaler is not None:
+            loss = loss * self.state[LOSS_SCALE]
+        loss.backward()
+
+    def multiply_grads(self, c):
+        self.factor *= c  # applied inside the update
+
+    def clip_grad_norm(self, max_norm, aggregate_norm_fn=None):
+        if aggregate_norm_fn is not None:
+            raise NotImplementedError("ls_adam's device step does not support sharded (FSDP) gradient norms")
+        ops.scaled_grad_norm(
+            self.workspace.grad,
+            self.state,
+            factor=self.factor,
+            max_norm=max_norm,
+            scale_window=self.scaler.scale_window if self.scaler else 0,
+            scale_floor=self.scaler.scale_floor if self.scaler else 0.0,
+        )
+        self.reduced = True
+        return self.grad_norm
+
+    def step(self, closure=None, scale=1.0, groups=None):
+        if not self.reduced:
+            self.clip_grad_norm(0.0)
+        slot = lambda i: self.state[i : i + 1]  # noqa: E731
+        self._optimizer.step(closure, device_decision=(slot(GRAD_SCALE), slot(STEP), slot(OVERFLOW)))
+        self.factor = 1.0
+        self.reduced = False
+
+    def zero_grad(self):
+        self.adam.zero_grad()
+        self.factor = 1.0
+        self.reduced = False
+
+    def all_reduce_grads(self, module):
+        self.adam.all_reduce_grads(module)
+
+    def state_dict(self):
+        self._optimizer.num_steps = int(self.state[STEP].item())
+        state_dict = self._optimizer.state_dict()
+        state_dict["loss_scale"] = self.state[LOSS_SCALE].item()
+        state_dict["good_steps"] = self.state[GOOD_STEPS].item()
+        return state_dict
+
+    def load_state_dict(self, state_dict, optimizer_overrides=None):
+        state_dict = dict(state_dict)
+        loss_scale = state_dict.pop("loss_scale", None)
+        good_steps = state_dict.pop("good_steps", 0.0)
+        super().load_state_dict(state_dict, optimizer_overrides)
+        self.state[STEP] = self._optimizer.num_steps
+        if self.scaler is not None and loss_scale is not None:
+            self.state[LOSS_SCALE] = loss_scale
+            self.state[GOOD_STEPS] = good_steps

@@ -1,0 +1,82 @@
+"""fairseq's Trainer without host synchronisation inside a training step.
+
+``ls-fairseq-train`` runs fairseq-train with this trainer. With ls_adam it
+builds ``DeviceStepAdam`` (see ls_fairseq/optim/mixed_precision.py), and removes
+the three places where fairseq's trainer reads the GPU every update:
+- the finiteness check of the gradient norm before the optimizer step (the
+  device decides instead; the trainer's check sees a finite host placeholder);
+- the cross-worker comparison of gradient norms (the one all-reduce of the
+  gradient workspace leaves every worker the same gradients);
+- the per-step rounding of every logged value (``_reduce_and_log_stats``):
+  values stay device tensors in fairseq's meters until fairseq prints them.
+So the host can queue the next update while the GPU still runs this one. With
+any other optimizer it is fairseq's Trainer unchanged.
+
+Logged per interval, as fairseq does: ``gnorm`` (mean over the steps that were
+taken), ``clip`` (percentage of those that were clipped), ``loss_scale`` (fp16),
+and ``skipped``: the number of steps left out because of inf/NaN gradients.
+"""
+from itertools import chain
+
+import torch
+from fairseq.logging import metrics
+from fairseq.optim import lr_scheduler
+from fairseq.trainer import Trainer
+
+from ls_fairseq.optim.mixed_precision import DeviceStepAdam
+
+
+def _mean_over_taken_steps(key, scale=1.0):
+    def derive(meters):
+        taken = meters["_steps"].sum - meters["skipped"].sum
+        return round(scale * float(meters[key].sum) / float(taken), 3) if taken > 0 else 0.0
+
+    return derive
+
+
+class LSTrainer(Trainer):
+    @property
+    def device_step(self):
+        return isinstance(self.optimizer, DeviceStepAdam)
+
+    def _build_optimizer(self):
+        if self.cfg.optimizer._name != "ls_adam" or self.cfg.common.amp or self.is_fsdp:
+            return super()._build_optimizer()
+        params = [p for p in chain(self.model.parameters(), self.criterion.parameters()) if p.requires_grad]
+        self._optimizer = DeviceStepAdam.build_optimizer(self.cfg, params)
+        # as fairseq does: the scheduler right after the optimizer, so the initial lr is set
+        self._lr_scheduler = lr_scheduler.build_lr_scheduler(self.cfg.lr_scheduler, self.optimizer)
+        self._lr_scheduler.step_update(0)
+
+    def clip_grad_norm(self, clip_norm):
+        norm = super().clip_grad_norm(clip_norm)
+        if not self.device_step:
+            return norm
+        return torch.zeros(())  # fairseq's host-side isfinite check: the device already decided
+
+    def _check_grad_norms(self, grad_norm):
+        if not self.device_step:
+            super()._check_grad_norms(grad_norm)
+
+    def train_step(self, samples, raise_oom=False):
+        logging_output = super().train_step(samples, raise_oom)
+        scaler = getattr(self.optimizer, "scaler", None)
+        if self.device_step and scaler is not None and self.get_num_updates() % self.cfg.common.log_interval == 0:
+            scaler.check()
+        return logging_output
+
+    def _reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
+        if not self.device_step:
+            return super()._reduce_and_log_stats(logging_outputs, sample_size, grad_norm)
+        opt = self.optimizer
+        metrics.log_speed("ups", 1.0, priority=100, round=2)
+        metrics.log_scalar_sum("_steps", 1)
+        metrics.log_scalar_sum("skipped", opt.overflow, priority=450, round=0)
+        norm = torch.nan_to_num(opt.grad_norm, nan=0.0, posinf=0.0, neginf=0.0)
+        metrics.log_scalar_sum("_gnorm", norm)
+        metrics.log_derived("gnorm", _mean_over_taken_steps("_gnorm"), priority=400)
+        if self.cfg.optimization.clip_norm > 0:
+            metrics.log_scalar_sum("_clipped", (norm > self.cfg.optimization.clip_norm).float())
+            metrics.log_derived("clip", _mean_over_taken_steps("_clipped", 100.0), priority=500)
+        self.task.reduce_metrics(logging_outputs, self.get_criterion())
+        return {"sample_size": sample_size}
