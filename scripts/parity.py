@@ -3,13 +3,24 @@
 1. prepares the embedded corpus (recipes/wmt14_en_de/prepare.sh --from data/lohelp);
 2. takes a stock model's initial weights (one stock update at a negligible learning
    rate) and converts them with `python -m ls_fairseq.convert from-fairseq`;
-3. trains stock `transformer_wmt_en_de` and `ls_transformer_wmt_en_de` from those
-   weights (optimizer, scheduler, meters and data order reset) with dropout on;
-4. compares the per-interval training losses from --compare-from on, the final
-   validation losses, and BLEU of fairseq-generate on the 1,200-sentence test set.
+3. trains stock `transformer_wmt_en_de` (fairseq-train --fp16 on a GPU, fp32 on CPU) and
+   `ls_transformer_wmt_en_de` in each --systems precision (ls-fairseq-train) from those
+   weights (optimizer, scheduler, meters and data order reset) with dropout on; on a GPU
+   the runs share it, all at once;
+4. compares each ls run with the stock one: per-interval training losses from
+   --compare-from on, final validation losses, BLEU of fairseq-generate on the
+   1,200-sentence test set; and, with dropout off, the losses of the first
+   --first-steps updates (logged every update).
 
-  python scripts/parity.py --out DIR [--updates 1000] [--ls-precision fp16|bf16] [-- extra fairseq-train options]
+  python scripts/parity.py --out DIR [--updates 2000] [--systems ls-fp16,ls-bf16,...] [-- fairseq-train options]
+  python scripts/parity.py --out DIR --rescore    # BLEU of DIR's hypotheses, where sacrebleu is installed
 
+--data DIR reuses a corpus prepared before (prepare.sh skips finished steps), for
+machines without sentencepiece; without sacrebleu the hypotheses are kept and
+BLEU is left for --rescore.
+
+Systems: ls-fp16 (--memory-efficient-fp16), ls-fp16-master (--fp16: fp32 master weights
+inside ls_adam), ls-bf16 (--memory-efficient-bf16), ls-bf16-master (--bf16), ls-fp32.
 Bounds (the fused layers issue): losses within 1% from update 200 on, final validation
 loss within 1%, BLEU within 0.3. Prints a table and writes DIR/parity.json.
 """
@@ -21,16 +32,32 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
+ENTRY = {name: [sys.executable, "-m", module] for name, module in (
+    ("fairseq-train", "fairseq_cli.train"), ("ls-fairseq-train", "ls_fairseq.train"),
+    ("fairseq-generate", "fairseq_cli.generate"))}
+PRECISION = {
+    "ls-fp16": ["--memory-efficient-fp16"],
+    "ls-fp16-master": ["--fp16"],
+    "ls-bf16": ["--memory-efficient-bf16"],
+    "ls-bf16-master": ["--bf16"],
+    "ls-fp32": [],
+}
+
+
+def start(cmd, log):
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=REPO))
+
+
+def finish(proc, log):
+    proc.wait()
+    text = open(log).read()
+    if proc.returncode != 0:
+        raise SystemExit("parity: {} failed, see {}:\n{}".format(proc.args[0], log, text[-2000:]))
+    return text
 
 
 def sh(cmd, log):
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=REPO))
-    text = open(log).read()
-    if proc.returncode != 0:
-        raise SystemExit("parity: {} failed, see {}:\n{}".format(cmd[0], log, text[-2000:]))
-    return text
+    return finish(start(cmd, log), log)
 
 
 def losses(log):
@@ -42,88 +69,152 @@ def valid_loss(log):
     return float(found[-1]) if found else None
 
 
-def bleu(out, data, checkpoint, name, device, user_dir):
-    gen = sh([os.path.join(BIN, "fairseq-generate"), data + "/data-bin", "--path", checkpoint, "--gen-subset", "test",
-              "--beam", "4", "--lenpen", "0.6", "--batch-size", "128", "--remove-bpe", "sentencepiece"] + device + user_dir,
-             os.path.join(out, name + ".generate.log"))
+def generate(out, data, checkpoint, name, device, user_dir):
+    gen = sh(ENTRY["fairseq-generate"] + [data + "/data-bin", "--path", checkpoint, "--gen-subset", "test", "--beam", "4",
+                                          "--lenpen", "0.6", "--batch-size", "128", "--remove-bpe", "sentencepiece"]
+             + device + user_dir, os.path.join(out, name + ".generate.log"))
     hyps = sorted((int(i), h) for i, _, h in re.findall(r"^H-(\d+)\t([^\t]*)\t(.*)$", gen, re.M))
-    hyp_file = os.path.join(out, name + ".hyp")
-    with open(hyp_file, "w") as f:
+    with open(os.path.join(out, name + ".hyp"), "w") as f:
         f.write("".join(h + "\n" for _, h in hyps))
-    score = subprocess.run([os.path.join(BIN, "sacrebleu"), data + "/raw/test.de", "-i", hyp_file, "-m", "bleu", "-b"],
-                           capture_output=True, text=True, check=True)
-    return float(score.stdout.strip())
+
+
+def bleu(out, data, name):
+    """sacrebleu of OUT/NAME.hyp against the raw test text; None where sacrebleu is not installed."""
+    try:
+        import sacrebleu
+    except ImportError:
+        return None
+    with open(os.path.join(out, name + ".hyp")) as f, open(os.path.join(data, "raw", "test.de")) as r:
+        return round(sacrebleu.corpus_bleu(f.read().splitlines(), [r.read().splitlines()]).score, 2)
+
+
+def rel(a, b):
+    return abs(b - a) / abs(a)
+
+
+def train_all(args, data):
+    """Runs stock and each ls system; returns their results (losses, validation loss; BLEU when scorable)."""
+    import torch
+
+    gpu = torch.cuda.is_available()
+    systems = args.systems.split(",") if gpu else ["ls-fp32"]
+    common = ["--share-all-embeddings", "--adam-betas", "(0.9,0.98)", "--lr-scheduler", "inverse_sqrt",
+              "--warmup-updates", "400", "--label-smoothing", "0.1", "--max-tokens", "8192",
+              "--log-format", "simple", "--seed", "1", "--no-epoch-checkpoints", "--no-progress-bar",
+              # validate and save once, at the end
+              "--validate-interval", "100000", "--save-interval", "100000"] + ([] if gpu else ["--cpu", "--num-workers", "0"])
+    # the stock run loads the plugin only so that torch >= 2.6 can read the initial checkpoint
+    # (weights_only); its architecture, criterion and optimizer are fairseq's own
+    stock = ["--user-dir", os.path.join(REPO, "ls_fairseq"), "--arch", "transformer_wmt_en_de",
+             "--criterion", "label_smoothed_cross_entropy", "--optimizer", "adam"] + (["--fp16"] if gpu else [])
+    ls = ["--user-dir", os.path.join(REPO, "ls_fairseq"), "--arch", "ls_transformer_wmt_en_de",
+          "--criterion", "ls_label_smoothed_cross_entropy", "--optimizer", "ls_adam"]
+    init_dir = os.path.join(args.out, "init")
+    sh(ENTRY["fairseq-train"] + [data + "/data-bin", "--save-dir", init_dir, "--max-update", "1", "--lr", "1e-12",
+                                 "--disable-validation"] + stock + common + args.extra, os.path.join(args.out, "init.log"))
+    ls_init = os.path.join(args.out, "init_ls.pt")
+    sh([sys.executable, "-m", "ls_fairseq.convert", "from-fairseq", os.path.join(init_dir, "checkpoint_last.pt"), ls_init],
+       os.path.join(args.out, "convert.log"))
+    restart = ["--reset-optimizer", "--reset-lr-scheduler", "--reset-meters", "--reset-dataloader", "--lr", "1e-3"]
+    stock_name = "stock-fp16" if gpu else "stock-fp32"
+    runs = [(stock_name, "fairseq-train", stock, os.path.join(init_dir, "checkpoint_last.pt"))]
+    runs += [(name, "ls-fairseq-train", ls + PRECISION[name], ls_init) for name in systems]
+    # every run of a phase at once on a GPU (they share it); one after another on CPU
+    phases = [("", ["--dropout", "0.3", "--max-update", str(args.updates), "--log-interval", "50"])]
+    if args.first_steps:
+        phases.append((".first", ["--dropout", "0", "--max-update", str(args.first_steps), "--log-interval", "1"]))
+    logs = {}
+    for suffix, options in phases:
+        procs = []
+        for name, entry, system, init in runs:
+            log = os.path.join(args.out, name + suffix + ".train.log")
+            cmd = ENTRY[entry] + [data + "/data-bin", "--save-dir", os.path.join(args.out, name + suffix),
+                                  "--restore-file", init] + system + restart + common + options + args.extra
+            procs.append((name + suffix, start(cmd, log), log))
+            if not gpu:
+                finish(procs[-1][1], log)
+        for name, proc, log in procs:
+            logs[name] = finish(proc, log)
+    results = {}
+    for name, _, system, _ in runs:
+        generate(args.out, data, os.path.join(args.out, name, "checkpoint_last.pt"), name,
+                 ["--fp16"] if gpu else ["--cpu"], system[:2])
+        results[name] = dict(losses=losses(logs[name]), valid_loss=valid_loss(logs[name]),
+                             first_losses=losses(logs.get(name + ".first", "")), bleu=bleu(args.out, data, name))
+    return results
+
+
+def compare(results, compare_from, first_steps):
+    """Each ls run against the stock one: the report (for parity.json) and its Markdown table."""
+    stock_name = next(n for n in results if n.startswith("stock"))
+    ref = results[stock_name]
+    systems = [n for n in results if n != stock_name]
+    report = dict(runs=results, comparisons={})
+    lines = ["| system | updates | worst loss diff from {} | first {} steps, dropout off | valid loss | BLEU | "
+             "within bounds |".format(compare_from, first_steps), "| --- | --- | --- | --- | --- | --- | --- |",
+             "| {} | {} | - | - | {} | {} | - |".format(stock_name, max(ref["losses"], default=0), ref["valid_loss"],
+                                                      ref["bleu"])]
+    for name in systems:
+        r = results[name]
+        shared = sorted(u for u in set(ref["losses"]) & set(r["losses"]) if u >= compare_from)
+        first = sorted(set(ref["first_losses"]) & set(r["first_losses"]))
+        scored = r["bleu"] is not None and ref["bleu"] is not None
+        c = dict(
+            compared_updates=shared,
+            worst_loss_rel_diff=max((rel(ref["losses"][u], r["losses"][u]) for u in shared), default=float("nan")),
+            first_steps_worst_rel_diff=max((rel(ref["first_losses"][u], r["first_losses"][u]) for u in first), default=None),
+            valid_rel_diff=rel(ref["valid_loss"], r["valid_loss"]) if ref["valid_loss"] and r["valid_loss"] else None,
+            bleu_diff=abs(r["bleu"] - ref["bleu"]) if scored else None,
+        )
+        c["within_bounds"] = bool(shared) and c["worst_loss_rel_diff"] <= 0.01 and c["valid_rel_diff"] is not None \
+            and c["valid_rel_diff"] <= 0.01 and scored and c["bleu_diff"] <= 0.3
+        report["comparisons"][name] = c
+        lines.append("| {} | {} | {:.2%} | {} | {} ({}) | {} | {} |".format(
+            name, max(r["losses"], default=0), c["worst_loss_rel_diff"],
+            "-" if c["first_steps_worst_rel_diff"] is None else "{:.3%}".format(c["first_steps_worst_rel_diff"]),
+            r["valid_loss"], "-" if c["valid_rel_diff"] is None else "{:.2%}".format(c["valid_rel_diff"]),
+            "not scored" if not scored else "{:.2f} ({:+.2f})".format(r["bleu"], r["bleu"] - ref["bleu"]),
+            c["within_bounds"]))
+    names = [stock_name] + systems
+    curve = ["| update | " + " | ".join(names) + " |", "| --- " * (len(names) + 1) + "|"]
+    for u in sorted(ref["losses"]):
+        curve.append("| {} | ".format(u) + " | ".join(
+            "{:.3f}".format(results[n]["losses"][u]) if u in results[n]["losses"] else "-" for n in names) + " |")
+    return report, "\n".join(curve + [""] + lines)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--updates", type=int, default=1000)
+    parser.add_argument("--data", help="prepared corpus folder (default: OUT/data, prepared here)")
+    parser.add_argument("--updates", type=int, default=2000)
     parser.add_argument("--compare-from", type=int, default=200)
-    parser.add_argument("--ls-precision", choices=["fp16", "bf16", "fp32"], default="fp16")
+    parser.add_argument("--first-steps", type=int, default=20, help="dropout-off check length (0: skip it)")
+    parser.add_argument("--systems", default="ls-fp16,ls-bf16", help=", ".join(PRECISION))
     parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("extra", nargs="*", help="options for both fairseq-train runs (after --)")
+    parser.add_argument("--rescore", action="store_true", help="only score OUT's hypotheses and report again")
+    parser.add_argument("extra", nargs="*", help="options for every fairseq-train run (after --)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    data = os.path.join(args.out, "data")
-    sh(["bash", os.path.join(REPO, "recipes", "wmt14_en_de", "prepare.sh"), "--from", os.path.join(REPO, "data", "lohelp"),
-        "--work", data, "--vocab-size", str(args.vocab_size), "--ratio", "2.5"], os.path.join(args.out, "prepare.log"))
-    import torch
-
-    gpu = torch.cuda.is_available()
-    common = ["--share-all-embeddings", "--adam-betas", "(0.9,0.98)", "--lr-scheduler", "inverse_sqrt",
-              "--warmup-updates", "400", "--dropout", "0.3", "--label-smoothing", "0.1", "--max-tokens", "8192",
-              "--log-format", "simple", "--log-interval", "50", "--seed", "1", "--no-epoch-checkpoints",
-              "--no-progress-bar"] + ([] if gpu else ["--cpu", "--num-workers", "0"]) + args.extra
-    # the stock run loads the plugin only so that torch >= 2.6 can read the initial checkpoint
-    # (weights_only); its architecture, criterion and optimizer are fairseq's own
-    stock = ["--user-dir", os.path.join(REPO, "ls_fairseq"), "--arch", "transformer_wmt_en_de",
-             "--criterion", "label_smoothed_cross_entropy", "--optimizer", "adam"]
-    ls = ["--user-dir", os.path.join(REPO, "ls_fairseq"), "--arch", "ls_transformer_wmt_en_de",
-          "--criterion", "ls_label_smoothed_cross_entropy", "--optimizer", "ls_adam"]
-    precision = {"fp16": ["--fp16"], "bf16": ["--memory-efficient-bf16"], "fp32": []}
-    init_dir = os.path.join(args.out, "init")
-    sh([os.path.join(BIN, "fairseq-train"), data + "/data-bin", "--save-dir", init_dir, "--max-update", "1",
-        "--lr", "1e-12", "--disable-validation"] + stock + common, os.path.join(args.out, "init.log"))
-    ls_init = os.path.join(args.out, "init_ls.pt")
-    sh([sys.executable, "-m", "ls_fairseq.convert", "from-fairseq", os.path.join(init_dir, "checkpoint_last.pt"), ls_init],
-       os.path.join(args.out, "convert.log"))
-    restart = ["--reset-optimizer", "--reset-lr-scheduler", "--reset-meters", "--reset-dataloader",
-               "--max-update", str(args.updates), "--lr", "1e-3"]
-    runs = {}
-    for name, system, init, prec, entry in (
-        ("stock-fp16" if gpu else "stock-fp32", stock, os.path.join(init_dir, "checkpoint_last.pt"),
-         precision["fp16"] if gpu else [], "fairseq-train"),
-        ("ls-" + (args.ls_precision if gpu else "fp32"), ls, ls_init, precision[args.ls_precision] if gpu else [],
-         "ls-fairseq-train"),
-    ):
-        save = os.path.join(args.out, name)
-        log = sh([os.path.join(BIN, entry), data + "/data-bin", "--save-dir", save, "--restore-file", init] + system + prec
-                 + restart + common, os.path.join(args.out, name + ".train.log"))
-        user_dir = system[:2]
-        runs[name] = dict(losses=losses(log), valid_loss=valid_loss(log),
-                          bleu=bleu(args.out, data, os.path.join(save, "checkpoint_last.pt"), name,
-                                    ["--fp16"] if gpu else ["--cpu"], user_dir))
-    (a, ra), (b, rb) = runs.items()
-    shared = sorted(u for u in set(ra["losses"]) & set(rb["losses"]) if u >= args.compare_from)
-    worst = max((abs(rb["losses"][u] - ra["losses"][u]) / ra["losses"][u] for u in shared), default=float("nan"))
-    report = dict(
-        runs=runs, compared_updates=shared, worst_loss_rel_diff=worst,
-        valid_rel_diff=abs(rb["valid_loss"] - ra["valid_loss"]) / ra["valid_loss"] if ra["valid_loss"] else None,
-        bleu_diff=abs(rb["bleu"] - ra["bleu"]),
-    )
-    report["within_bounds"] = bool(shared) and worst <= 0.01 and (report["valid_rel_diff"] or 0) <= 0.01 and report["bleu_diff"] <= 0.3
+    data = args.data or os.path.join(args.out, "data")
+    if args.rescore:
+        with open(os.path.join(args.out, "parity.json")) as f:
+            results = json.load(f)["runs"]
+        for name, r in results.items():
+            r["bleu"] = bleu(args.out, data, name)
+            for key in ("losses", "first_losses"):
+                r[key] = {int(u): v for u, v in r[key].items()}
+    else:
+        sh(["bash", os.path.join(REPO, "recipes", "wmt14_en_de", "prepare.sh"), "--from",
+            os.path.join(REPO, "data", "lohelp"), "--work", data, "--vocab-size", str(args.vocab_size), "--ratio", "2.5"],
+           os.path.join(args.out, "prepare.log"))
+        results = train_all(args, data)
+    report, text = compare(results, args.compare_from, args.first_steps)
     with open(os.path.join(args.out, "parity.json"), "w") as f:
         json.dump(report, f, indent=1)
-    print("| update | {} loss | {} loss | rel. diff |".format(a, b))
-    print("| --- | --- | --- | --- |")
-    for u in sorted(set(ra["losses"]) & set(rb["losses"])):
-        print("| {} | {:.3f} | {:.3f} | {:.2%} |".format(u, ra["losses"][u], rb["losses"][u],
-                                                          abs(rb["losses"][u] - ra["losses"][u]) / ra["losses"][u]))
-    print("valid loss: {} {} / {} {}; BLEU: {} {:.2f} / {} {:.2f}".format(a, ra["valid_loss"], b, rb["valid_loss"], a,
-                                                                         ra["bleu"], b, rb["bleu"]))
-    print("worst loss difference from update {}: {:.2%}; within bounds: {}".format(args.compare_from, worst,
-                                                                                  report["within_bounds"]))
+    with open(os.path.join(args.out, "parity.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":

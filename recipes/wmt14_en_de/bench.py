@@ -37,7 +37,7 @@ SYSTEMS = {
     "ls-fp16": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--memory-efficient-fp16"], True),
     "ls-fp16-master": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--fp16"], True),
     "ls-bf16": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--memory-efficient-bf16"], True),
-    "ls-bf16-master": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--memory-efficient-bf16", "--ls-fp32-master"], True),
+    "ls-bf16-master": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--bf16"], True),
 }
 ARCHS = {"big": "transformer_vaswani_wmt_en_de_big", "base": "transformer_wmt_en_de"}
 DIMS = {"big": (1024, 4096, 6, 6), "base": (512, 2048, 6, 6)}
@@ -85,28 +85,29 @@ def run(system, arch, max_tokens, data, epochs, work):
         result["peak_gib"] = hooks["peak_bytes"] / 2**30
         result["kernels_per_step"] = hooks.get("kernels_per_step")
         result["gpu_ms_per_step"] = hooks.get("gpu_ms_per_step")
+        result["host_syncs_per_step"] = hooks.get("host_syncs_per_step")
     if "wps" in result:
         result["mfu"] = result["wps"] * flops_per_target_token(arch) / (PEAK_TFLOPS * 1e12)
     return result
 
 
 def table(results):
-    lines = ["| arch | max-tokens | system | wps (steady) | speed-up | ups | first-epoch wps | peak GiB | kernels/step | GPU ms/step | MFU |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| arch | max-tokens | system | wps (steady) | speed-up | ups | first-epoch wps | peak GiB | kernels/step | GPU ms/step | host syncs/step | MFU |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     base = {(r["arch"], r["max_tokens"]): r.get("wps") for r in results if r["system"] == "stock-fp16"}
     for r in results:
         if "wps" not in r:
-            lines.append("| {arch} | {max_tokens} | {system} | failed: {e} | | | | | | | |".format(e=r.get("error", "?"), **r))
+            lines.append("| {arch} | {max_tokens} | {system} | failed: {e} | | | | | | | | |".format(e=r.get("error", "?"), **r))
             continue
         ref = base.get((r["arch"], r["max_tokens"]))
 
         def fmt(key, spec):
             return spec.format(r[key]) if r.get(key) is not None else "-"
 
-        lines.append("| {} | {} | {} | {:.0f} | {} | {:.1f} | {} | {} | {} | {} | {:.1%} |".format(
+        lines.append("| {} | {} | {} | {:.0f} | {} | {:.1f} | {} | {} | {} | {} | {} | {:.1%} |".format(
             r["arch"], r["max_tokens"], r["system"], r["wps"], "{:.2f}x".format(r["wps"] / ref) if ref else "-",
             r["ups"], fmt("first_epoch_wps", "{:.0f}"), fmt("peak_gib", "{:.1f}"), fmt("kernels_per_step", "{:.0f}"),
-            fmt("gpu_ms_per_step", "{:.1f}"), r["mfu"]))
+            fmt("gpu_ms_per_step", "{:.1f}"), fmt("host_syncs_per_step", "{:.0f}"), r["mfu"]))
     return "\n".join(lines)
 
 

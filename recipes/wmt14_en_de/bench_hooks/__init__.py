@@ -4,7 +4,9 @@
   step, so the peak is read just before each reset and the maximum is kept;
 - kernel launches per training step: torch.profiler over a few steps of the
   warm-up epoch (counting kernels inside replayed CUDA graphs too);
-- the optimizer step's GPU time per update, from the same profile.
+- GPU time per step, from the same profile, and host synchronisations per step
+  (torch's sync debug mode over the same steps: each time the host waited for
+  the GPU inside the step).
 
 Results go to the JSON file named by $BENCH_HOOKS_OUT at exit. With
 $BENCH_WITH_LS=1 it also loads the ls_fairseq plugin (fairseq takes one
@@ -13,6 +15,7 @@ $BENCH_WITH_LS=1 it also loads the ls_fairseq plugin (fairseq takes one
 import atexit
 import json
 import os
+import warnings
 
 import torch
 
@@ -43,16 +46,25 @@ def _profiled_train_step(self, samples, raise_oom=False):
         torch.cuda.synchronize()
         _profiler["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         _profiler["prof"].__enter__()
-    out = _train_step(self, samples, raise_oom)
     prof = _profiler["prof"]
-    if prof is not None and _profiler["steps"] < PROFILE_STEPS:
-        _profiler["steps"] += 1
-        if _profiler["steps"] == PROFILE_STEPS:
-            torch.cuda.synchronize()
-            prof.__exit__(None, None, None)
-            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            _stats["kernels_per_step"] = len(kernels) / PROFILE_STEPS
-            _stats["gpu_ms_per_step"] = sum(e.device_time_total for e in kernels) / PROFILE_STEPS / 1000.0
+    if prof is None or _profiler["steps"] >= PROFILE_STEPS:
+        return _train_step(self, samples, raise_oom)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = _train_step(self, samples, raise_oom)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    _stats["host_syncs_per_step"] = _stats.get("host_syncs_per_step", 0) + syncs / PROFILE_STEPS
+    _profiler["steps"] += 1
+    if _profiler["steps"] == PROFILE_STEPS:
+        torch.cuda.synchronize()
+        prof.__exit__(None, None, None)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        _stats["kernels_per_step"] = len(kernels) / PROFILE_STEPS
+        _stats["gpu_ms_per_step"] = sum(e.device_time_total for e in kernels) / PROFILE_STEPS / 1000.0
     return out
 
 
