@@ -45,7 +45,8 @@ PRECISION = {
 
 
 def start(cmd, log):
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=REPO))
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [REPO, os.environ.get("PYTHONPATH")]))))
 
 
 def finish(proc, log):
@@ -71,7 +72,8 @@ def valid_loss(log):
 
 def generate(out, data, checkpoint, name, device, user_dir):
     gen = sh(ENTRY["fairseq-generate"] + [data + "/data-bin", "--path", checkpoint, "--gen-subset", "test", "--beam", "4",
-                                          "--lenpen", "0.6", "--batch-size", "128", "--remove-bpe", "sentencepiece"]
+                                          "--lenpen", "0.6", "--batch-size", "128", "--remove-bpe", "sentencepiece",
+                                          "--scoring", "sacrebleu"]
              + device + user_dir, os.path.join(out, name + ".generate.log"))
     hyps = sorted((int(i), h) for i, _, h in re.findall(r"^H-(\d+)\t([^\t]*)\t(.*)$", gen, re.M))
     with open(os.path.join(out, name + ".hyp"), "w") as f:
@@ -99,7 +101,7 @@ def train_all(args, data):
     gpu = torch.cuda.is_available()
     systems = args.systems.split(",") if gpu else ["ls-fp32"]
     common = ["--share-all-embeddings", "--adam-betas", "(0.9,0.98)", "--lr-scheduler", "inverse_sqrt",
-              "--warmup-updates", "400", "--label-smoothing", "0.1", "--max-tokens", "8192",
+              "--warmup-updates", "1000", "--label-smoothing", "0.1", "--max-tokens", "8192",
               "--log-format", "simple", "--seed", "1", "--no-epoch-checkpoints", "--no-progress-bar",
               # validate and save once, at the end
               "--validate-interval", "100000", "--save-interval", "100000"] + ([] if gpu else ["--cpu", "--num-workers", "0"])
@@ -115,14 +117,17 @@ def train_all(args, data):
     ls_init = os.path.join(args.out, "init_ls.pt")
     sh([sys.executable, "-m", "ls_fairseq.convert", "from-fairseq", os.path.join(init_dir, "checkpoint_last.pt"), ls_init],
        os.path.join(args.out, "convert.log"))
-    restart = ["--reset-optimizer", "--reset-lr-scheduler", "--reset-meters", "--reset-dataloader", "--lr", "1e-3"]
+    restart = ["--reset-optimizer", "--reset-lr-scheduler", "--reset-meters", "--reset-dataloader", "--lr", "5e-4"]
     stock_name = "stock-fp16" if gpu else "stock-fp32"
     runs = [(stock_name, "fairseq-train", stock, os.path.join(init_dir, "checkpoint_last.pt"))]
     runs += [(name, "ls-fairseq-train", ls + PRECISION[name], ls_init) for name in systems]
     # every run of a phase at once on a GPU (they share it); one after another on CPU
     phases = [("", ["--dropout", "0.3", "--max-update", str(args.updates), "--log-interval", "50"])]
     if args.first_steps:
-        phases.append((".first", ["--dropout", "0", "--max-update", str(args.first_steps), "--log-interval", "1"]))
+        # a small initial loss scale: stock fairseq does not count an overflowing fp16 step as an update, the
+        # device-decided step of ls-fairseq-train does, and a skipped step would shift the two curves apart
+        phases.append((".first", ["--dropout", "0", "--max-update", str(args.first_steps), "--log-interval", "1",
+                                  "--fp16-init-scale", "4"]))
     logs = {}
     for suffix, options in phases:
         procs = []

@@ -86,28 +86,30 @@ def run(system, arch, max_tokens, data, epochs, work):
         result["kernels_per_step"] = hooks.get("kernels_per_step")
         result["gpu_ms_per_step"] = hooks.get("gpu_ms_per_step")
         result["host_syncs_per_step"] = hooks.get("host_syncs_per_step")
+        result["optimizer_ms_per_step"] = hooks.get("optimizer_ms_per_step")
     if "wps" in result:
         result["mfu"] = result["wps"] * flops_per_target_token(arch) / (PEAK_TFLOPS * 1e12)
     return result
 
 
 def table(results):
-    lines = ["| arch | max-tokens | system | wps (steady) | speed-up | ups | first-epoch wps | peak GiB | kernels/step | GPU ms/step | host syncs/step | MFU |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| arch | max-tokens | system | wps (steady) | speed-up | ups | first-epoch wps | peak GiB | kernels/step | GPU ms/step | host syncs/step | optimizer ms/step | MFU |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     base = {(r["arch"], r["max_tokens"]): r.get("wps") for r in results if r["system"] == "stock-fp16"}
     for r in results:
         if "wps" not in r:
-            lines.append("| {arch} | {max_tokens} | {system} | failed: {e} | | | | | | | | |".format(e=r.get("error", "?"), **r))
+            lines.append("| {arch} | {max_tokens} | {system} | failed: {e} | | | | | | | | | |".format(e=r.get("error", "?"), **r))
             continue
         ref = base.get((r["arch"], r["max_tokens"]))
 
         def fmt(key, spec):
             return spec.format(r[key]) if r.get(key) is not None else "-"
 
-        lines.append("| {} | {} | {} | {:.0f} | {} | {:.1f} | {} | {} | {} | {} | {} | {:.1%} |".format(
+        lines.append("| {} | {} | {} | {:.0f} | {} | {:.1f} | {} | {} | {} | {} | {} | {} | {:.1%} |".format(
             r["arch"], r["max_tokens"], r["system"], r["wps"], "{:.2f}x".format(r["wps"] / ref) if ref else "-",
             r["ups"], fmt("first_epoch_wps", "{:.0f}"), fmt("peak_gib", "{:.1f}"), fmt("kernels_per_step", "{:.0f}"),
-            fmt("gpu_ms_per_step", "{:.1f}"), fmt("host_syncs_per_step", "{:.0f}"), r["mfu"]))
+            fmt("gpu_ms_per_step", "{:.1f}"), fmt("host_syncs_per_step", "{:.0f}"),
+            fmt("optimizer_ms_per_step", "{:.2f}"), r["mfu"]))
     return "\n".join(lines)
 
 
@@ -153,7 +155,7 @@ def main():
     parser.add_argument("--full", action="store_true", help="max-tokens 512..16384, big and base")
     parser.add_argument("--max-tokens", default="4096,8192,16384")
     parser.add_argument("--archs", default="big")
-    parser.add_argument("--systems", default="stock-fp16,ls-fp16,ls-bf16", help=", ".join(SYSTEMS))
+    parser.add_argument("--systems", default="stock-fp16,ls-fp16-master,ls-bf16-master", help=", ".join(SYSTEMS))
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=12000)
     args = parser.parse_args()

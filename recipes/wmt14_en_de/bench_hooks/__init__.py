@@ -6,7 +6,9 @@
   warm-up epoch (counting kernels inside replayed CUDA graphs too);
 - GPU time per step, from the same profile, and host synchronisations per step
   (torch's sync debug mode over the same steps: each time the host waited for
-  the GPU inside the step).
+  the GPU inside the step);
+- the optimizer's GPU time per update (gradient clipping + the optimizer step,
+  between CUDA events, over the same steps).
 
 Results go to the JSON file named by $BENCH_HOOKS_OUT at exit. With
 $BENCH_WITH_LS=1 it also loads the ls_fairseq plugin (fairseq takes one
@@ -22,6 +24,7 @@ import torch
 if os.environ.get("BENCH_WITH_LS") == "1":
     import ls_fairseq  # noqa: F401 (registers the plugin)
 
+from fairseq.tasks import FairseqTask  # noqa: E402
 from fairseq.trainer import Trainer  # noqa: E402
 
 PROFILE_FROM, PROFILE_STEPS = int(os.environ.get("BENCH_PROFILE_FROM", "15")), 3
@@ -65,10 +68,41 @@ def _profiled_train_step(self, samples, raise_oom=False):
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         _stats["kernels_per_step"] = len(kernels) / PROFILE_STEPS
         _stats["gpu_ms_per_step"] = sum(e.device_time_total for e in kernels) / PROFILE_STEPS / 1000.0
+        pairs = _optimizer_spans["pairs"]
+        if pairs:
+            _stats["optimizer_ms_per_step"] = sum(a.elapsed_time(b) for a, b in pairs) / len(pairs)
     return out
 
 
 Trainer.train_step = _profiled_train_step
+_clip_grad_norm, _optimizer_step = Trainer.clip_grad_norm, FairseqTask.optimizer_step
+_optimizer_spans = {"start": None, "pairs": []}
+
+
+def _event():
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _timing():
+    return _profiler["prof"] is not None and _profiler["steps"] < PROFILE_STEPS
+
+
+def _timed_clip_grad_norm(self, clip_norm):
+    _optimizer_spans["start"] = _event() if _timing() else None
+    return _clip_grad_norm(self, clip_norm)
+
+
+def _timed_optimizer_step(self, *args, **kwargs):
+    out = _optimizer_step(self, *args, **kwargs)
+    if _timing() and _optimizer_spans["start"] is not None:  # an overflow skips the step: no span
+        _optimizer_spans["pairs"].append((_optimizer_spans["start"], _event()))
+    return out
+
+
+Trainer.clip_grad_norm = _timed_clip_grad_norm
+FairseqTask.optimizer_step = _timed_optimizer_step
 
 
 @atexit.register
