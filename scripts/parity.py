@@ -70,11 +70,16 @@ def valid_loss(log):
     return float(found[-1]) if found else None
 
 
-def generate(out, data, checkpoint, name, device, user_dir):
-    gen = sh(ENTRY["fairseq-generate"] + [data + "/data-bin", "--path", checkpoint, "--gen-subset", "test", "--beam", "4",
-                                          "--lenpen", "0.6", "--batch-size", "128", "--remove-bpe", "sentencepiece",
-                                          "--scoring", "sacrebleu"]
-             + device + user_dir, os.path.join(out, name + ".generate.log"))
+def start_generate(out, data, checkpoint, name, device, user_dir):
+    cmd = ENTRY["fairseq-generate"] + [data + "/data-bin", "--path", checkpoint, "--gen-subset", "test", "--beam", "4",
+                                       "--lenpen", "0.6", "--batch-size", "128", "--remove-bpe", "sentencepiece",
+                                       "--scoring", "sacrebleu"] + device + user_dir
+    log = os.path.join(out, name + ".generate.log")
+    return start(cmd, log), log
+
+
+def keep_hypotheses(out, name, proc, log):
+    gen = finish(proc, log)
     hyps = sorted((int(i), h) for i, _, h in re.findall(r"^H-(\d+)\t([^\t]*)\t(.*)$", gen, re.M))
     with open(os.path.join(out, name + ".hyp"), "w") as f:
         f.write("".join(h + "\n" for _, h in hyps))
@@ -140,10 +145,11 @@ def train_all(args, data):
                 finish(procs[-1][1], log)
         for name, proc, log in procs:
             logs[name] = finish(proc, log)
+    generating = [(name, start_generate(args.out, data, os.path.join(args.out, name, "checkpoint_last.pt"), name,
+                                        ["--fp16"] if gpu else ["--cpu"], system[:2])) for name, _, system, _ in runs]
     results = {}
-    for name, _, system, _ in runs:
-        generate(args.out, data, os.path.join(args.out, name, "checkpoint_last.pt"), name,
-                 ["--fp16"] if gpu else ["--cpu"], system[:2])
+    for name, (proc, log) in generating:
+        keep_hypotheses(args.out, name, proc, log)
         results[name] = dict(losses=losses(logs[name]), valid_loss=valid_loss(logs[name]),
                              first_losses=losses(logs.get(name + ".first", "")), bleu=bleu(args.out, data, name))
     return results

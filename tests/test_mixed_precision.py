@@ -153,3 +153,17 @@ def test_precision_flags_choose_master_weights_and_scaling():
     assert build(torch.bfloat16, bf16=True).adam.optimizer.master is not None
     with pytest.raises(ValueError, match="--fp16-scale-tolerance"):
         build(torch.float16, fp16=True, fp16_scale_tolerance=0.25)
+
+
+@pytest.mark.parametrize("master,limit", [(False, 12), (True, 16)])
+def test_bytes_per_parameter(master, limit):
+    """Parameters + gradients + optimizer state: 12 bytes per fp16 parameter, 16 with the fp32
+    master copy (fairseq's FP16Optimizer: 20); the workspace's alignment padding included."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1000, 999), torch.nn.Linear(999, 1001)).half()
+    count = sum(p.numel() for p in model.parameters())
+    opt = device_step(model, master=master)
+    adam = opt.adam.optimizer
+    buffers = [opt.workspace.param, opt.workspace.grad, adam.exp_avg, adam.exp_avg_sq, adam.master]
+    total = sum(t.numel() * t.element_size() for t in buffers if t is not None)
+    assert limit - 0.01 < total / count <= limit + 0.01

@@ -8,9 +8,12 @@
 #
 #   bash train.sh [--baseline] [--work DIR] [--save DIR] [--max-tokens N] [-- extra fairseq-train options]
 #
-# WORK is prepare.sh's folder (data-bin, raw/test.de). On GPUs: fp16,
-# --max-tokens 8192 per GPU and --update-freq ceil(16 / GPUs) (about 130k
-# tokens per update whatever the GPU count); without a GPU: fp32 on the CPU.
+# WORK is prepare.sh's folder (data-bin, raw/test.de). The plugin trains
+# through ls-fairseq-train (fairseq-train with ls_adam's mixed-precision step
+# decided on the device). On GPUs: --fp16 (fp32 master weights: the plugin's
+# in ls_adam, stock's in FP16Optimizer), --max-tokens 8192 per GPU and
+# --update-freq ceil(16 / GPUs) (about 130k tokens per update whatever the GPU
+# count); without a GPU: fp32 on the CPU.
 set -euo pipefail
 WORK=${WORK:-data/wmt14_en_de}
 SAVE=""
@@ -23,7 +26,7 @@ while [ $# -gt 0 ]; do
     --save) SAVE=$2; shift 2 ;;
     --max-tokens) MAX_TOKENS=$2; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "train.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -32,7 +35,7 @@ SAVE=${SAVE:-$WORK/checkpoints-$([ $BASELINE = 1 ] && echo baseline || echo ls)}
 GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())')
 if [ "$GPUS" -gt 0 ]; then
   DEVICE=(--update-freq $(( (16 + GPUS - 1) / GPUS )))
-  [ $BASELINE = 1 ] && DEVICE+=(--fp16) || DEVICE+=(--memory-efficient-fp16)
+  DEVICE+=(--fp16)
   GEN_DEVICE=(--fp16)
 else
   DEVICE=(--cpu)
@@ -41,12 +44,14 @@ fi
 if [ $BASELINE = 1 ]; then
   MODEL=(--arch transformer_vaswani_wmt_en_de_big --criterion label_smoothed_cross_entropy --optimizer adam)
   PLUGIN=()
+  TRAIN=(fairseq-train)
 else
   MODEL=(--arch ls_transformer_vaswani_wmt_en_de_big --criterion ls_label_smoothed_cross_entropy --optimizer ls_adam)
   PLUGIN=(--user-dir "$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/ls_fairseq")
+  TRAIN=("$PY" -m ls_fairseq.train)
 fi
 mkdir -p "$SAVE"
-fairseq-train "$WORK/data-bin" "${PLUGIN[@]}" "${MODEL[@]}" "${DEVICE[@]}" \
+"${TRAIN[@]}" "$WORK/data-bin" "${PLUGIN[@]}" "${MODEL[@]}" "${DEVICE[@]}" \
   --share-all-embeddings --adam-betas '(0.9,0.98)' --clip-norm 0.0 --lr 5e-4 --lr-scheduler inverse_sqrt \
   --warmup-updates 4000 --dropout 0.3 --weight-decay 0.0 --label-smoothing 0.1 --max-tokens "$MAX_TOKENS" \
   --save-dir "$SAVE" --tensorboard-logdir "$SAVE/tensorboard" --log-format simple --log-interval 100 \
