@@ -8,7 +8,9 @@
   (torch's sync debug mode over the same steps: each time the host waited for
   the GPU inside the step);
 - the optimizer's GPU time per update (gradient clipping + the optimizer step,
-  between CUDA events, over the same steps).
+  between CUDA events, over the same steps);
+- where the time of those steps goes: the host's operators by self CPU time and
+  the kernels by GPU time (tables written beside the JSON file, .profile.txt).
 
 Results go to the JSON file named by $BENCH_HOOKS_OUT at exit. With
 $BENCH_WITH_LS=1 it also loads the ls_fairseq plugin (fairseq takes one
@@ -47,7 +49,8 @@ def _profiled_train_step(self, samples, raise_oom=False):
     step = self.get_num_updates()
     if step == PROFILE_FROM and _profiler["prof"] is None and torch.cuda.is_available():
         torch.cuda.synchronize()
-        _profiler["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        _profiler["prof"] = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
         _profiler["prof"].__enter__()
     prof = _profiler["prof"]
     if prof is None or _profiler["steps"] >= PROFILE_STEPS:
@@ -68,6 +71,12 @@ def _profiled_train_step(self, samples, raise_oom=False):
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         _stats["kernels_per_step"] = len(kernels) / PROFILE_STEPS
         _stats["gpu_ms_per_step"] = sum(e.device_time_total for e in kernels) / PROFILE_STEPS / 1000.0
+        path = os.environ.get("BENCH_HOOKS_OUT")
+        if path:
+            averages = prof.key_averages()
+            with open(os.path.splitext(path)[0] + ".profile.txt", "w") as f:
+                for key in ("self_cpu_time_total", "self_device_time_total"):
+                    f.write(averages.table(sort_by=key, row_limit=30, max_name_column_width=90) + "\n")
         pairs = _optimizer_spans["pairs"]
         if pairs:
             _stats["optimizer_ms_per_step"] = sum(a.elapsed_time(b) for a, b in pairs) / len(pairs)
