@@ -3,12 +3,27 @@
 q arrives already scaled (the qkv op folds 1/sqrt(d_head) in). Two paths:
 - the LightSeq path: GEMM (cuBLAS) -> fused masked softmax + dropout -> GEMM;
   the reference on CPU and the oracle everywhere;
-- torch's scaled_dot_product_attention (FlashAttention / cuDNN on Hopper),
-  which never writes the Tq x Tk scores. Taken on CUDA unless the
-  ``attention`` op is forced to the reference (LS_FAIRSEQ_REFERENCE).
+- torch's scaled_dot_product_attention, which never writes the Tq x Tk
+  scores. Taken on CUDA unless the ``attention`` op is forced to the
+  reference (LS_FAIRSEQ_REFERENCE). Its FlashAttention and memory-efficient
+  kernels only: torch prefers cuDNN's attention on Hopper, which builds an
+  execution plan for every new batch shape (about 10 ms of host time per call,
+  measured on the H200: docs/perf-log.md), so a first epoch, where nearly
+  every batch has a new shape, ran 7x slower than the next.
 """
+import contextlib
+
 import torch
 import torch.nn.functional as F
+
+try:  # torch >= 2.3; older versions have no cuDNN attention to avoid
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def _backends():
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+except ImportError:
+    _backends = contextlib.nullcontext
 
 from ls_fairseq.ops import dispatch
 from ls_fairseq.ops.softmax import softmax
@@ -31,7 +46,8 @@ def _sdpa(q, k, v, key_padding_mask, causal, p):
         future = j <= i + (Tk - Tq)
         allowed = future if allowed is None else allowed & future
         causal = False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p, is_causal=causal, scale=1.0)
+    with _backends():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p, is_causal=causal, scale=1.0)
 
 
 def attention(q, k, v, key_padding_mask=None, causal=False, p=0.0, training=True):

@@ -68,7 +68,9 @@ def _profiled_train_step(self, samples, raise_oom=False):
     if _profiler["steps"] == PROFILE_STEPS:
         torch.cuda.synchronize()
         prof.__exit__(None, None, None)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        # GPU-side events, less the record_function ranges fairseq marks on the GPU timeline
+        kernels = [e for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
         _stats["kernels_per_step"] = len(kernels) / PROFILE_STEPS
         _stats["gpu_ms_per_step"] = sum(e.device_time_total for e in kernels) / PROFILE_STEPS / 1000.0
         path = os.environ.get("BENCH_HOOKS_OUT")
