@@ -1,4 +1,5 @@
 """Shared checks for the op tests."""
+import pytest
 import torch
 
 
@@ -65,3 +66,5 @@ def check_kernel(out, ref64, lowp, what, floor=1e-6):
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 DTYPES = (torch.float32,) + LOW_PRECISION
+# the same test on CPU (the references) and, where a GPU is, on CUDA (the kernels)
+DEVICES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))

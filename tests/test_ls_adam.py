@@ -5,16 +5,16 @@ import torch
 from fairseq import utils
 from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
 from fairseq.optim.fp16_optimizer import MemoryEfficientFP16Optimizer
-from helpers import assert_close
+from helpers import DEVICES, assert_close
 from omegaconf import OmegaConf
 
 from ls_fairseq import ops
 from ls_fairseq.optim.ls_adam import LSAdam, LSAdamConfig
 
 
-def small_model(dtype=torch.float32):
+def small_model(dtype=torch.float32, device="cpu"):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(13, 31), torch.nn.ReLU(), torch.nn.Linear(31, 7)).to(dtype)
+    return torch.nn.Sequential(torch.nn.Linear(13, 31), torch.nn.ReLU(), torch.nn.Linear(31, 7)).to(device, dtype)
 
 
 def optimizers(model_a, model_b, lr=1e-2, wd=0.0):
@@ -27,18 +27,19 @@ def loss_of(model, x, y):
     return ((model(x) - y) ** 2).sum()
 
 
-def data(step, dtype=torch.float32):
+def data(step, dtype=torch.float32, device="cpu"):
     g = torch.Generator().manual_seed(step)
-    return torch.randn(16, 13, generator=g).to(dtype), torch.randn(16, 7, generator=g).to(dtype)
+    return torch.randn(16, 13, generator=g).to(device, dtype), torch.randn(16, 7, generator=g).to(device, dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("wd", [0.0, 0.05])
-def test_fp32_trajectory_equals_fairseq_adam(wd):
-    a = small_model()
+def test_fp32_trajectory_equals_fairseq_adam(wd, device):
+    a = small_model(device=device)
     b = copy.deepcopy(a)
     opt_a, opt_b = optimizers(a, b, wd=wd)
     for step in range(12):
-        x, y = data(step)
+        x, y = data(step, device=device)
         for model, opt in ((a, opt_a), (b, opt_b)):
             opt.zero_grad()
             loss_of(model, x, y).backward()
@@ -68,11 +69,12 @@ def test_parameters_live_in_one_workspace_and_gradients_accumulate_there():
         assert p.grad.untyped_storage().data_ptr() == ws.grad.untyped_storage().data_ptr()
 
 
-def test_clip_and_multiply_match_fairseq():
-    a = small_model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_clip_and_multiply_match_fairseq(device):
+    a = small_model(device=device)
     b = copy.deepcopy(a)
     opt_a, opt_b = optimizers(a, b)
-    x, y = data(3)
+    x, y = data(3, device=device)
     for model, opt in ((a, opt_a), (b, opt_b)):
         opt.zero_grad()
         loss_of(model, x, y).backward()
@@ -109,15 +111,16 @@ def mem_efficient_fp16(optimizer):
     return MemoryEfficientFP16Optimizer(cfg, list(optimizer.params), optimizer)
 
 
-def test_memory_efficient_fp16_follows_fairseq_adam():
-    a = small_model(torch.float16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_memory_efficient_fp16_follows_fairseq_adam(device):
+    a = small_model(torch.float16, device)
     b = copy.deepcopy(a)
     inner_a, inner_b = optimizers(a, b, lr=1e-3, wd=0.01)
     assert inner_b.supports_memory_efficient_fp16 and inner_b.supports_step_with_scale
     opt_a, opt_b = mem_efficient_fp16(inner_a), mem_efficient_fp16(inner_b)
     skipped = []
     for step in range(12):
-        x, y = data(step, torch.float16)
+        x, y = data(step, torch.float16, device)
         overflow = []
         for model, opt in ((a, opt_a), (b, opt_b)):
             opt.zero_grad()

@@ -1,11 +1,11 @@
 """ls-fairseq-train's device-decided mixed-precision step (DeviceStepAdam) against
-fairseq's host-decided one (MemoryEfficientFP16Optimizer around ls_adam), on CPU."""
+fairseq's host-decided one (MemoryEfficientFP16Optimizer around ls_adam), on CPU and on CUDA."""
 import copy
 
 import pytest
 import torch
 from fairseq.optim.fp16_optimizer import MemoryEfficientFP16Optimizer
-from helpers import assert_close
+from helpers import DEVICES, assert_close
 from omegaconf import OmegaConf
 from test_ls_adam import data, loss_of, small_model
 
@@ -37,7 +37,8 @@ def host_step(model):
 
 def train_step(model, opt, step, clip=1.0):
     """The trainer's sequence: zero, backward, multiply by 1/sample_size, clip, step."""
-    x, y = data(step, next(model.parameters()).dtype)
+    p = next(model.parameters())
+    x, y = data(step, p.dtype, p.device)
     opt.zero_grad()
     opt.backward(loss_of(model, x, y))
     opt.multiply_grads(1 / 16.0)
@@ -49,38 +50,40 @@ def train_step(model, opt, step, clip=1.0):
     return False
 
 
-def test_device_step_follows_fairseqs_dynamic_loss_scaling():
-    a = small_model(torch.float16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_step_follows_fairseqs_dynamic_loss_scaling(device):
+    a = small_model(torch.float16, device)
     b = copy.deepcopy(a)
-    host, device = host_step(a), device_step(b)
+    host, decided = host_step(a), device_step(b)
     skipped = []
     for step in range(16):
         host_skipped = train_step(a, host, step)
-        train_step(b, device, step)
-        assert bool(device.overflow) == host_skipped, step
-        assert device.scaler.loss_scale.item() == host.scaler.loss_scale, step
+        train_step(b, decided, step)
+        assert bool(decided.overflow) == host_skipped, step
+        assert decided.scaler.loss_scale.item() == host.scaler.loss_scale, step
         skipped.append(host_skipped)
     assert any(skipped) and not all(skipped)
-    assert device.state[STEP].item() == len(skipped) - sum(skipped)  # Adam's t: taken steps only
+    assert decided.state[STEP].item() == len(skipped) - sum(skipped)  # Adam's t: taken steps only
     for pa, pb in zip(a.parameters(), b.parameters()):
         # the same fp32 math; the clip coefficients differ by fairseq's 1e-6 in the norm
         assert_close(pb.float(), pa.float(), rtol=0, atol=1e-3)
         assert (pb.float() - pa.float()).abs().mean() < 1e-5
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_without_loss_scale_it_is_ls_adam_with_clipping(dtype):
-    a = small_model(dtype)
+def test_without_loss_scale_it_is_ls_adam_with_clipping(dtype, device):
+    a = small_model(dtype, device)
     b = copy.deepcopy(a)
-    plain, device = LSAdam(adam_cfg(), list(a.parameters())), device_step(b, fp16=False)
+    plain, decided = LSAdam(adam_cfg(), list(a.parameters())), device_step(b, fp16=False)
     for step in range(6):
-        x, y = data(step, dtype)
+        x, y = data(step, dtype, device)
         plain.zero_grad()
         plain.backward(loss_of(a, x, y))
         plain.multiply_grads(1 / 16.0)
         plain.clip_grad_norm(1.0)
         plain.step()
-        train_step(b, device, step)
+        train_step(b, decided, step)
     # bf16: the plain path rounds the gradients to bf16 in multiply_grads and in the clip, the device
     # path folds both into the fp32 update: over six steps parameters may drift apart by two bf16 units
     ulp = 1e-5 if dtype == torch.float32 else 2.0**-6
@@ -89,13 +92,14 @@ def test_without_loss_scale_it_is_ls_adam_with_clipping(dtype):
         assert (pb.float() - pa.float()).abs().mean() < ulp * 1e-2
 
 
-def test_a_non_finite_step_changes_nothing_but_the_scale():
-    model = small_model(torch.float16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_non_finite_step_changes_nothing_but_the_scale(device):
+    model = small_model(torch.float16, device)
     opt = device_step(model, master=True)
     train_step(model, opt, 0)
     before = [p.clone() for p in model.parameters()]
     moments = opt.adam.optimizer.exp_avg.clone(), opt.adam.optimizer.master.clone()
-    x, y = data(1, torch.float16)
+    x, y = data(1, torch.float16, device)
     opt.zero_grad()
     opt.backward(loss_of(model, x, y) * float("nan"))
     opt.clip_grad_norm(0.0)
@@ -106,15 +110,16 @@ def test_a_non_finite_step_changes_nothing_but_the_scale():
     assert torch.equal(opt.adam.optimizer.exp_avg, moments[0]) and torch.equal(opt.adam.optimizer.master, moments[1])
 
 
-def test_resume_is_bit_identical_with_the_loss_scale():
-    a = small_model(torch.float16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_resume_is_bit_identical_with_the_loss_scale(device):
+    a = small_model(torch.float16, device)
     opt_a = device_step(a, master=True)
     for step in range(10):
         train_step(a, opt_a, step)
         if step == 4:
             saved_model, saved_opt = copy.deepcopy(a.state_dict()), copy.deepcopy(opt_a.state_dict())
     assert saved_opt["loss_scale"] != INIT_SCALE  # the scale moved, and is saved
-    b = small_model(torch.float16)
+    b = small_model(torch.float16, device)
     b.load_state_dict(saved_model)
     opt_b = device_step(b, master=True)
     opt_b.load_state_dict(saved_opt)
