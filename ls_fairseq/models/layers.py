@@ -13,7 +13,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ls_fairseq import ops
 
@@ -77,23 +76,23 @@ class _Layer(nn.Module):
     def _self_attention(self, x, key_padding_mask, causal, cache=None):
         attn = self.self_attn
         h = self._norm(x, self.self_attn_layer_norm, True)
-        q, k, v = ops.split_heads(F.linear(h, attn.qkv_proj.weight), attn.qkv_proj.bias, attn.num_heads, 3, attn.scaling)
+        q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight), attn.qkv_proj.bias, attn.num_heads, 3, attn.scaling)
         if cache is not None:
             if "k" in cache:
                 k = torch.cat([cache["k"], k], dim=2)
                 v = torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
         ctx = ops.attention(q, k, v, key_padding_mask, causal, self.attention_dropout, self.training)
-        out = F.linear(ops.merge_heads(ctx), attn.out_proj.weight)
+        out = ops.linear(ops.merge_heads(ctx), attn.out_proj.weight)
         x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training)
         return self._norm(x, self.self_attn_layer_norm, False)
 
     def _ffn(self, x):
         h = self._norm(x, self.final_layer_norm, True)
         h = ops.bias_act_dropout(
-            F.linear(h, self.fc1.weight), self.fc1.bias, self.activation_fn, self.activation_dropout, self.training
+            ops.linear(h, self.fc1.weight), self.fc1.bias, self.activation_fn, self.activation_dropout, self.training
         )
-        x = ops.bias_dropout_residual(F.linear(h, self.fc2.weight), self.fc2.bias, x, self.dropout, self.training)
+        x = ops.bias_dropout_residual(ops.linear(h, self.fc2.weight), self.fc2.bias, x, self.dropout, self.training)
         return self._norm(x, self.final_layer_norm, False)
 
 
@@ -130,9 +129,9 @@ class DecoderLayer(_Layer):
         x = self._self_attention(x, self_padding_mask, causal=True, cache=cache)
         attn = self.encoder_attn
         h = self._norm(x, self.encoder_attn_layer_norm, True)
-        (q,) = ops.split_heads(F.linear(h, attn.q_proj.weight), attn.q_proj.bias, attn.num_heads, 1, attn.scaling)
+        (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight), attn.q_proj.bias, attn.num_heads, 1, attn.scaling)
         ctx = ops.attention(q, enc_k, enc_v, enc_padding_mask, False, self.attention_dropout, self.training)
-        out = F.linear(ops.merge_heads(ctx), attn.out_proj.weight)
+        out = ops.linear(ops.merge_heads(ctx), attn.out_proj.weight)
         x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training)
         x = self._norm(x, self.encoder_attn_layer_norm, False)
         return self._ffn(x)

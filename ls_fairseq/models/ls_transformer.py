@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import (
@@ -179,7 +178,7 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
     def _encoder_keys_values(self, encoder_out):
         enc = encoder_out["encoder_out"][0]
         kv = ops.split_heads(
-            F.linear(enc, self.encoder_attn_kv_proj.weight), self.encoder_attn_kv_proj.bias,
+            ops.linear(enc, self.encoder_attn_kv_proj.weight), self.encoder_attn_kv_proj.bias,
             self.num_heads, 2 * len(self.layers),
         )
         return torch.stack(kv)
@@ -227,7 +226,7 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
         return x, {"attn": [None], "inner_states": inner_states}
 
     def output_layer(self, features):
-        return F.linear(features, self.output_projection.weight)
+        return ops.linear(features, self.output_projection.weight)
 
     def reorder_incremental_state(self, incremental_state, new_order):
         cache = self.get_incremental_state(incremental_state, "cache")

@@ -7,6 +7,7 @@ from ls_fairseq.ops.bias_dropout_residual import bias_dropout_residual
 from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy
 from ls_fairseq.ops.embedding import embedding, make_positions
 from ls_fairseq.ops.layer_norm import layer_norm
+from ls_fairseq.ops.linear import linear
 from ls_fairseq.ops.qkv import merge_heads, split_heads
 from ls_fairseq.ops.softmax import softmax
 
@@ -19,6 +20,7 @@ __all__ = [
     "grad_norm",
     "label_smoothed_cross_entropy",
     "layer_norm",
+    "linear",
     "make_positions",
     "merge_heads",
     "new_scaler_state",

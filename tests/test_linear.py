@@ -1,0 +1,77 @@
+"""The linear op: y = x W^T with the weight gradient written into weight.grad in place."""
+import pytest
+import torch
+from helpers import DEVICES, assert_close
+
+from ls_fairseq import ops
+
+
+def inputs(device, dtype=torch.float64):
+    x = torch.randn(3, 7, 13, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(5, 13, device=device, dtype=dtype, requires_grad=True)
+    return x, w
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accumulates_into_an_existing_gradient_without_autograd(device):
+    x, w = inputs(device)
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    old = torch.randn_like(w)
+    w.grad, w_ref.grad = old.clone(), old.clone()
+    storage = w.grad.data_ptr()
+    dy = torch.randn(3, 7, 5, device=device, dtype=x.dtype)
+    y = ops.linear(x, w)
+    with torch.profiler.profile() as prof:
+        y.backward(dy)
+    (torch.nn.functional.linear(x_ref, w_ref) * dy).sum().backward()
+    assert_close(w.grad, w_ref.grad, rtol=1e-12, atol=1e-12)
+    assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+    names = [e.name for e in prof.events()]
+    # dW accumulated by the GEMM itself: no separate add into the gradient, no weight-sized temporary
+    assert w.grad.data_ptr() == storage and "aten::addmm_" in names and "aten::add_" not in names, names
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_without_a_gradient_it_is_autograd_as_usual(device):
+    x, w = inputs(device)
+    assert torch.autograd.gradcheck(ops.linear, (x, w))
+    ops.linear(x, w).sum().backward()
+    assert_close(w.grad, torch.ones(3 * 7, 5, device=device, dtype=x.dtype).t() @ x.detach().reshape(-1, 13),
+                 rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_in_place_is_at_least_as_accurate_as_autograd(device, dtype):
+    """fp16/bf16: one rounding of old + dY^T X (the GEMM's epilogue) against autograd's two."""
+    if device == "cpu" and dtype == torch.float16:
+        pytest.skip("fp16 GEMMs on CPU are not what training uses")
+    x, w = (t.detach().to(dtype).requires_grad_() for t in inputs(device, torch.float32))
+    old = torch.randn_like(w)
+    w.grad = old.clone()
+    dy = torch.randn(3, 7, 5, device=device, dtype=dtype)
+    (ops.linear(x, w) * dy).sum().backward()
+    exact = old.double() + dy.double().reshape(-1, 5).t() @ x.detach().double().reshape(-1, 13)
+    autograd = old + (dy.reshape(-1, 5).t() @ x.detach().reshape(-1, 13))
+    assert (w.grad.double() - exact).norm() <= (autograd.double() - exact).norm() * 1.01 + 1e-12
+
+
+def test_distributed_training_keeps_autograds_accumulation(monkeypatch):
+    """DistributedDataParallel learns that a gradient is ready from autograd's hooks."""
+    import importlib
+    from types import SimpleNamespace
+
+    module = importlib.import_module("ls_fairseq.ops.linear")  # the module; ops.linear is the function
+    x, w = inputs("cpu")
+    w.grad = torch.zeros_like(w)
+    monkeypatch.setattr(module, "dist", SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True))
+    y = ops.linear(x, w)
+    with torch.profiler.profile() as prof:
+        y.sum().backward()
+    names = [e.name for e in prof.events()]
+    assert "aten::addmm_" not in names and "aten::add_" in names, names
+
+
+def test_shape_error_names_the_sizes():
+    with pytest.raises(ValueError, match="input has 4 features"):
+        ops.linear(torch.randn(2, 4), torch.randn(3, 5))
