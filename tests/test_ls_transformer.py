@@ -107,3 +107,23 @@ def test_dropout_changes_training_output_and_eval_is_deterministic():
     assert not torch.allclose(a, b)
     ls.eval()
     assert torch.equal(ls(**net_input)[0], ls(**net_input)[0])
+
+
+def test_gradients_accumulated_in_place_equal_autograds():
+    """With the gradients already allocated (ls_adam keeps them in its workspace), the linear
+    layers accumulate their weight gradients in place: the same as autograd's, also summed over
+    two backward passes (--update-freq 2)."""
+    _, ls, task = build_pair(torch.float64)
+    ls.eval()  # no dropout: the passes see the same function
+    net_input, _ = batch(task)
+    out, _ = ls(**net_input)
+    upstream = torch.randn_like(out)
+    out.backward(upstream)
+    autograd = {name: p.grad.clone() for name, p in ls.named_parameters()}
+    for p in ls.parameters():
+        p.grad = torch.zeros_like(p)
+    for _ in range(2):
+        out, _ = ls(**net_input)
+        out.backward(upstream)
+    for name, p in ls.named_parameters():
+        assert_close(p.grad, 2 * autograd[name], rtol=1e-10, atol=1e-12, what=name)
