@@ -29,10 +29,13 @@ def model_args(**overrides):
     return kw
 
 
-def build_pair(dtype=torch.float32, **overrides):
-    """(stock, ls, task): both built from the same options, ls loaded with stock's weights."""
+def build_pair(dtype=torch.float32, left_pad_target=None, **overrides):
+    """(stock, ls, task): both built from the same options, ls loaded with stock's weights;
+    ``left_pad_target`` becomes the task's option (None: a task without it)."""
     d = dictionary()
     task = types.SimpleNamespace(source_dictionary=d, target_dictionary=d)
+    if left_pad_target is not None:
+        task.cfg = types.SimpleNamespace(left_pad_target=left_pad_target)
     stock_args = argparse.Namespace(**model_args(**overrides))
     stock_base(stock_args)
     stock = TransformerModel.build_model(stock_args, task)

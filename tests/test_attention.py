@@ -17,7 +17,7 @@ def test_attention_matches_sdpa_in_fp64():
     v = torch.randn(B, H, S, D, dtype=torch.float64, requires_grad=True)
     kpm = torch.zeros(B, S, dtype=torch.bool)
     kpm[1, -2:] = True
-    out = ops.attention(q, k, v, kpm)
+    out = ops.attention(q, k, v, ops.AttentionMask(kpm))
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=~kpm[:, None, None, :], scale=1.0)
     assert_close(out, ref, what="attention")
     dout = torch.randn_like(out)
@@ -27,8 +27,43 @@ def test_attention_matches_sdpa_in_fp64():
 
 def test_causal_attention_matches_sdpa():
     q, k, v = (torch.randn(2, 2, 9, 4, dtype=torch.float64) for _ in range(3))
-    out = ops.attention(q / math.sqrt(4), k, v, causal=True)
+    out = ops.attention(q / math.sqrt(4), k, v, ops.AttentionMask(causal=True))
     assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), what="causal")
+
+
+@pytest.mark.parametrize("causal,Tq", [(False, 6), (True, 6), (True, 2)])
+def test_mask_for_the_gpu_path_is_the_references_mask(causal, Tq):
+    """The additive mask AttentionMask builds for scaled_dot_product_attention (padding, causal,
+    and causal with a cache: Tq < Tk) gives the reference's result; made once per shape."""
+    B, H, Tk, D = 3, 2, 6, 4
+    q = torch.randn(B, H, Tq, D, dtype=torch.float64)
+    k, v = torch.randn(B, H, Tk, D, dtype=torch.float64), torch.randn(B, H, Tk, D, dtype=torch.float64)
+    kpm = torch.zeros(B, Tk, dtype=torch.bool)
+    kpm[1, -2:] = True
+    kpm[2, 0] = True
+    mask = ops.AttentionMask(kpm, causal)
+    attn_mask, is_causal = mask.sdpa_arguments(Tq, Tk, q.dtype, q.device)
+    assert attn_mask.stride(-2) % 16 == 0  # aligned rows: torch uses it without a padded copy
+    assert mask.sdpa_arguments(Tq, Tk, q.dtype, q.device)[0] is attn_mask
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=1.0)
+    assert_close(out, attention_reference(q, k, v, mask), rtol=1e-10, atol=1e-12, what="sdpa mask")
+
+
+def test_right_padded_causal_keys_need_no_padding_mask():
+    """Targets padded at the end: with the causal mask no real query sees a pad key, so the
+    padding mask is dropped (plain causal attention) and the real rows are unchanged."""
+    B, H, T, D = 3, 2, 7, 4
+    q, k, v = (torch.randn(B, H, T, D, dtype=torch.float64) for _ in range(3))
+    kpm = torch.zeros(B, T, dtype=torch.bool)
+    kpm[1, -3:] = True
+    kpm[2, -1:] = True
+    dropped = ops.AttentionMask(kpm, causal=True, right_padded=True)
+    assert dropped.key_padding_mask is None and dropped.sdpa_arguments(T, T, q.dtype, q.device) == (None, True)
+    assert ops.AttentionMask(kpm, causal=False, right_padded=True).key_padding_mask is kpm
+    full = attention_reference(q, k, v, ops.AttentionMask(kpm, causal=True))
+    fast = attention_reference(q, k, v, dropped)
+    real = ~kpm[:, None, :, None].expand(B, H, T, D)
+    assert_close(fast[real], full[real], rtol=1e-12, atol=1e-12, what="real rows")
 
 
 @pytest.mark.gpu
@@ -44,7 +79,7 @@ def test_gpu_attention_matches_reference(dtype, causal):
 
     def run(q, k, v, fn):
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        out = fn(q * D**-0.5, k, v, kpm, causal)
+        out = fn(q * D**-0.5, k, v, ops.AttentionMask(kpm, causal))
         return (out,) + torch.autograd.grad(out, (q, k, v), dout.to(out.dtype))
 
     ours = run(q, k, v, ops.attention)

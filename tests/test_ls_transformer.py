@@ -19,9 +19,12 @@ def nonpad(x, prev, pad):
     return x[prev.ne(pad)]
 
 
+@pytest.mark.parametrize("left_pad_target", [None, False])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_training_forward_and_gradients_equal_stock(variant):
-    stock, ls, task = build_pair(**VARIANTS[variant])
+def test_training_forward_and_gradients_equal_stock(variant, left_pad_target):
+    """left_pad_target False (fairseq's default): the decoder self-attention drops its padding mask."""
+    stock, ls, task = build_pair(left_pad_target=left_pad_target, **VARIANTS[variant])
+    assert ls.decoder.right_padded_targets == (left_pad_target is False)
     pad = task.source_dictionary.pad()
     net_input, _ = batch(task)
     stock.train()

@@ -73,7 +73,7 @@ class _Layer(nn.Module):
             return ops.layer_norm(x, ln.weight, ln.bias)
         return x
 
-    def _self_attention(self, x, key_padding_mask, causal, cache=None):
+    def _self_attention(self, x, mask, cache=None):
         attn = self.self_attn
         h = self._norm(x, self.self_attn_layer_norm, True)
         q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight), attn.qkv_proj.bias, attn.num_heads, 3, attn.scaling)
@@ -82,7 +82,7 @@ class _Layer(nn.Module):
                 k = torch.cat([cache["k"], k], dim=2)
                 v = torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
-        ctx = ops.attention(q, k, v, key_padding_mask, causal, self.attention_dropout, self.training)
+        ctx = ops.attention(q, k, v, mask, self.attention_dropout, self.training)
         out = ops.linear(ops.merge_heads(ctx), attn.out_proj.weight)
         x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training)
         return self._norm(x, self.self_attn_layer_norm, False)
@@ -106,8 +106,8 @@ class EncoderLayer(_Layer):
             cfg,
         )
 
-    def forward(self, x, padding_mask):
-        x = self._self_attention(x, padding_mask, causal=False)
+    def forward(self, x, mask):
+        x = self._self_attention(x, mask)
         return self._ffn(x)
 
 
@@ -123,14 +123,14 @@ class DecoderLayer(_Layer):
         self.encoder_attn = CrossAttention(cfg.decoder_embed_dim, cfg.decoder_attention_heads)
         self.encoder_attn_layer_norm = nn.LayerNorm(cfg.decoder_embed_dim)
 
-    def forward(self, x, self_padding_mask, enc_k, enc_v, enc_padding_mask, cache=None):
+    def forward(self, x, self_mask, enc_k, enc_v, enc_mask, cache=None):
         """enc_k/enc_v: this layer's keys and values of the encoder output [B, heads, S, d_head];
         ``cache`` (a dict) holds the self-attention keys/values in incremental decoding."""
-        x = self._self_attention(x, self_padding_mask, causal=True, cache=cache)
+        x = self._self_attention(x, self_mask, cache=cache)
         attn = self.encoder_attn
         h = self._norm(x, self.encoder_attn_layer_norm, True)
         (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight), attn.q_proj.bias, attn.num_heads, 1, attn.scaling)
-        ctx = ops.attention(q, enc_k, enc_v, enc_padding_mask, False, self.attention_dropout, self.training)
+        ctx = ops.attention(q, enc_k, enc_v, enc_mask, self.attention_dropout, self.training)
         out = ops.linear(ops.merge_heads(ctx), attn.out_proj.weight)
         x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training)
         x = self._norm(x, self.encoder_attn_layer_norm, False)

@@ -125,8 +125,9 @@ class LSTransformerEncoder(_EmbeddingMixin, FairseqEncoder):
         padding_mask = src_tokens.eq(self.padding_idx)
         x = self._embed(src_tokens, ops.make_positions(src_tokens, self.padding_idx))
         states = [x] if return_all_hiddens else []
+        mask = ops.AttentionMask(padding_mask)
         for layer in self.layers:
-            x = layer(x, padding_mask)
+            x = layer(x, mask)
             if return_all_hiddens:
                 states.append(x)
         if self.layer_norm is not None:
@@ -154,8 +155,11 @@ class LSTransformerEncoder(_EmbeddingMixin, FairseqEncoder):
         }
 
 class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
-    def __init__(self, cfg, dictionary, embed_tokens):
+    def __init__(self, cfg, dictionary, embed_tokens, right_padded_targets=False):
+        """``right_padded_targets``: the task pads target rows at the end (fairseq's translation
+        default); the causal self-attention then needs no padding mask (see ops.AttentionMask)."""
         super().__init__(dictionary)
+        self.right_padded_targets = right_padded_targets
         dim = cfg.decoder_embed_dim
         self._init_embedding(
             embed_tokens, cfg.max_target_positions, cfg.decoder_learned_pos, cfg.no_scale_embedding, cfg.dropout
@@ -209,17 +213,18 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
             if cache is None:
                 cache = {"encoder_kv": self._encoder_keys_values(encoder_out)}
                 self.set_incremental_state(incremental_state, "cache", cache)
-            encoder_kv, self_padding_mask = cache["encoder_kv"], None
+            encoder_kv, self_mask = cache["encoder_kv"], ops.AttentionMask(causal=True)
         else:
-            encoder_kv, self_padding_mask = self._encoder_keys_values(encoder_out), prev_output_tokens.eq(pad)
-        enc_padding_mask = encoder_out["encoder_padding_mask"][0] if encoder_out["encoder_padding_mask"] else None
+            encoder_kv = self._encoder_keys_values(encoder_out)
+            self_mask = ops.AttentionMask(prev_output_tokens.eq(pad), causal=True, right_padded=self.right_padded_targets)
+        enc_mask = ops.AttentionMask(encoder_out["encoder_padding_mask"][0] if encoder_out["encoder_padding_mask"] else None)
         x = self._embed(prev_output_tokens, positions)
         inner_states = [x]
         for i, layer in enumerate(self.layers):
             layer_cache = None
             if cache is not None:
                 layer_cache = cache.setdefault("layer{}".format(i), {})
-            x = layer(x, self_padding_mask, encoder_kv[2 * i], encoder_kv[2 * i + 1], enc_padding_mask, layer_cache)
+            x = layer(x, self_mask, encoder_kv[2 * i], encoder_kv[2 * i + 1], enc_mask, layer_cache)
             inner_states.append(x)
         if self.layer_norm is not None:
             x = ops.layer_norm(x, self.layer_norm.weight, self.layer_norm.bias)
@@ -274,7 +279,9 @@ class LSTransformerModel(FairseqEncoderDecoderModel):
         else:
             decoder_embed = _embedding(len(tgt_dict), args.decoder_embed_dim, tgt_dict.pad())
         encoder = LSTransformerEncoder(args, src_dict, encoder_embed)
-        decoder = LSTransformerDecoder(args, tgt_dict, decoder_embed)
+        # fairseq's translation task pads targets at the end unless --left-pad-target
+        right_padded = getattr(getattr(task, "cfg", None), "left_pad_target", None) is False
+        decoder = LSTransformerDecoder(args, tgt_dict, decoder_embed, right_padded_targets=right_padded)
         return cls(encoder, decoder)
 
     def max_positions(self):

@@ -1,7 +1,7 @@
 """Fused Transformer ops: one module per op, each with its PyTorch reference,
 its autograd Function and one dispatch point (see ``dispatch``)."""
 from ls_fairseq.ops.adam import adam_step, grad_norm, new_scaler_state, scaled_grad_norm
-from ls_fairseq.ops.attention import attention
+from ls_fairseq.ops.attention import AttentionMask, attention
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout
 from ls_fairseq.ops.bias_dropout_residual import bias_dropout_residual
 from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy
@@ -12,6 +12,7 @@ from ls_fairseq.ops.qkv import merge_heads, split_heads
 from ls_fairseq.ops.softmax import softmax
 
 __all__ = [
+    "AttentionMask",
     "adam_step",
     "attention",
     "bias_act_dropout",

@@ -29,29 +29,58 @@ from ls_fairseq.ops import dispatch
 from ls_fairseq.ops.softmax import softmax
 
 
-def attention_reference(q, k, v, key_padding_mask=None, causal=False, p=0.0, training=True, mask=None):
+class AttentionMask:
+    """Which keys each query may see, for every layer of one forward pass: key padding
+    (``key_padding_mask`` [batch, keys], True = pad) and/or ``causal``.
+
+    Built once per forward and shared by the layers, so the GPU path builds its
+    additive mask once (in storage aligned for the memory-efficient kernel, so
+    torch does not pad a copy per call) instead of once per layer and call.
+    ``right_padded``: padding only at the end of each row (fairseq's targets,
+    unless --left-pad-target). With ``causal`` no real query can then see a pad
+    key, so the padding mask is dropped and the GPU path runs the plain causal
+    (FlashAttention) kernel; the pad query rows, whose outputs fairseq ignores,
+    see the pad keys before them.
+    """
+
+    def __init__(self, key_padding_mask=None, causal=False, right_padded=False):
+        self.key_padding_mask = None if causal and right_padded else key_padding_mask
+        self.causal = causal
+        self._sdpa = {}
+
+    def sdpa_arguments(self, Tq, Tk, dtype, device):
+        """(attn_mask, is_causal) for scaled_dot_product_attention, made once per shape and dtype."""
+        key = (Tq, Tk, dtype, device)
+        if key not in self._sdpa:
+            self._sdpa[key] = self._make_sdpa_arguments(Tq, Tk, dtype, device)
+        return self._sdpa[key]
+
+    def _make_sdpa_arguments(self, Tq, Tk, dtype, device):
+        kpm = self.key_padding_mask
+        if not self.causal or (kpm is None and Tq == Tk):
+            if kpm is None:
+                return None, self.causal
+            hidden = kpm.bool()[:, None, None, :]
+        else:  # causal with padding, or with a cache (Tq < Tk): query i sees keys j <= i + Tk - Tq
+            i = torch.arange(Tq, device=device)[:, None]
+            hidden = torch.arange(Tk, device=device)[None, :] > i + (Tk - Tq)
+            if kpm is not None:
+                hidden = hidden | kpm.bool()[:, None, None, :]
+        aligned = torch.zeros(hidden.shape[:-1] + ((Tk + 15) // 16 * 16,), dtype=dtype, device=device)
+        mask = aligned[..., :Tk]
+        mask.masked_fill_(hidden, float("-inf"))
+        return mask, False
+
+
+def attention_reference(q, k, v, mask=None, p=0.0, training=True, dropout_mask=None):
     scores = torch.matmul(q, k.transpose(-1, -2))
-    probs = softmax(scores, key_padding_mask, causal, p, training, mask)
+    kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
+    probs = softmax(scores, kpm, causal, p, training, dropout_mask)
     return torch.matmul(probs, v)
 
 
-def _sdpa(q, k, v, key_padding_mask, causal, p):
-    Tq, Tk = q.shape[-2], k.shape[-2]
-    allowed = None
-    if key_padding_mask is not None:
-        allowed = ~key_padding_mask.bool()[:, None, None, :]
-    if causal and (allowed is not None or Tq != Tk):
-        i = torch.arange(Tq, device=q.device)[:, None]
-        j = torch.arange(Tk, device=q.device)[None, :]
-        future = j <= i + (Tk - Tq)
-        allowed = future if allowed is None else allowed & future
-        causal = False
-    with _backends():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=p, is_causal=causal, scale=1.0)
-
-
-def attention(q, k, v, key_padding_mask=None, causal=False, p=0.0, training=True):
-    """softmax(q k^T + masks) v with dropout ``p`` on the probabilities."""
+def attention(q, k, v, mask=None, p=0.0, training=True):
+    """softmax(q k^T + masks) v with dropout ``p`` on the probabilities; ``mask`` an AttentionMask."""
     if not (q.dim() == k.dim() == v.dim() == 4) or q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(
             "attention: q {}, k {}, v {} must be [batch, heads, len, d_head] with matching d_head and k/v lengths".format(
@@ -60,5 +89,8 @@ def attention(q, k, v, key_padding_mask=None, causal=False, p=0.0, training=True
         )
     p = p if training else 0.0
     if dispatch.use_kernel("attention", q):
-        return _sdpa(q, k, v, key_padding_mask, causal, p)
-    return attention_reference(q, k, v, key_padding_mask, causal, p, training)
+        attn_mask, is_causal = mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask else (None, False)
+        with _backends():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal,
+                                                  scale=1.0)
+    return attention_reference(q, k, v, mask, p, training)
