@@ -54,3 +54,40 @@ def test_kernel_matches_reference(dtype, activation, rows, hidden, p):
     dx_l, db_l = bias_act_dropout_backward_reference(dout, x, b, mask, activation, p)
     for o, ref, low, name in ((out, out64, out_l, "out"), (dx, dx64, dx_l, "dx"), (db, db64, db_l, "dbias")):
         check_kernel(o, ref, low, name)
+
+
+@pytest.mark.parametrize("activation,kept", [("relu", 1), ("gelu", 3)])
+def test_backward_keeps_only_what_it_needs(activation, kept):
+    """relu: only the output (which the FFN's second GEMM keeps anyway); gelu: x, bias, mask."""
+    x = torch.randn(5, 8, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = ops.bias_act_dropout(x, b, activation, 0.3, True, keep_mask((5, 8), 0.3))
+    assert len(saved) == kept
+    if activation == "relu":
+        assert saved[0] is out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_autograd_path_on_the_gpu_matches_fp64(dtype, activation):
+    """The op as the model calls it (relu's backward from the output) against fp64 on the same mask."""
+    rows, hidden, p = 1031, 1030, 0.1
+    x = torch.randn(rows, hidden, device="cuda").to(dtype).requires_grad_()
+    b = torch.randn(hidden, device="cuda").to(dtype).requires_grad_()
+    mask = keep_mask((rows, hidden), p, "cuda")
+    dout = torch.randn(rows, hidden, device="cuda").to(dtype)
+    kernel("bias_act_dropout", x)
+    results = []
+    for cast in (lambda t: t, lambda t: t.double(), None):
+        if cast is None:  # PyTorch's own error in this precision: the reference in dtype
+            out, _ = bias_act_dropout_forward_reference(x.detach(), b.detach(), activation, p, mask)
+            results.append((out,) + bias_act_dropout_backward_reference(dout, x.detach(), b.detach(), mask, activation, p))
+            continue
+        xi, bi = cast(x.detach()).requires_grad_(), cast(b.detach()).requires_grad_()
+        out = ops.bias_act_dropout(xi, bi, activation, p, True, mask)
+        results.append((out,) + grads(out, (xi, bi), cast(dout)))
+    for o, ref, low, name in zip(*results, ("out", "dx", "dbias")):
+        check_kernel(o, ref, low, name)

@@ -1,9 +1,15 @@
 """out = dropout(act(x + bias)), act in {relu, gelu}: the FFN's first half.
 
 One pass reads x and bias and writes out and the keep-mask; x + bias and
-act(x + bias) are never stored. Backward recomputes x + bias from x (which the
-FFN's second GEMM does not need, so keeping x costs what keeping act(x+b)
-would). gelu is the exact erf form that fairseq's ``gelu`` computes.
+act(x + bias) are never stored. gelu is the exact erf form that fairseq's
+``gelu`` computes.
+
+What backward keeps (LightSeq2's backward-dependency reuse): for relu only
+``out``, which the FFN's second GEMM keeps anyway: out > 0 exactly where
+x + bias > 0 and the element was kept (a dropped one is 0), so
+dh = dout / (1 - p) * [out > 0] needs neither x nor the mask (3 of the 5 bytes
+per element that would be kept otherwise). gelu keeps x and the mask and
+recomputes x + bias.
 """
 import math
 
@@ -62,13 +68,18 @@ class BiasActDropoutFunction(torch.autograd.Function):
         x = x.contiguous()
         out, mask = fwd(x, bias, activation, p, mask)
         ctx.bwd, ctx.activation, ctx.p = bwd, activation, p
-        ctx.save_for_backward(x, bias, mask)
+        ctx.from_output = activation == "relu"
+        ctx.save_for_backward(*((out,) if ctx.from_output else (x, bias, mask)))
         return out, mask
 
     @staticmethod
     def backward(ctx, dout, _dmask):
-        x, bias, mask = ctx.saved_tensors
-        dx, dbias = ctx.bwd(dout.contiguous(), x, bias, mask, ctx.activation, ctx.p)
+        if ctx.from_output:  # relu'(x + bias) * keep = [out > 0]: the backward with x = out, bias = 0, no mask
+            (out,) = ctx.saved_tensors
+            dx, dbias = ctx.bwd(dout.contiguous(), out, out.new_zeros(out.shape[-1]), None, "relu", ctx.p)
+        else:
+            x, bias, mask = ctx.saved_tensors
+            dx, dbias = ctx.bwd(dout.contiguous(), x, bias, mask, ctx.activation, ctx.p)
         return dx, dbias, None, None, None
 
 

@@ -120,7 +120,10 @@ def dropout_mask(shape, p, device):
 
 
 def apply_dropout(x, mask, p):
-    """x * mask / (1 - p) in x's dtype (fp32 math for half inputs is the caller's choice)."""
+    """x * mask / (1 - p) in x's dtype (fp32 math for half inputs is the caller's choice).
+
+    No mask: every element kept and scaled (as the kernels do), for callers whose dropped
+    elements are already zero (relu's backward from its output)."""
     if mask is None:
-        return x
+        return x if p == 0 else x * (1.0 / (1.0 - p))
     return x * mask.to(x.dtype) * (1.0 / (1.0 - p))
