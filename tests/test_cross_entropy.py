@@ -58,7 +58,10 @@ def test_kernel_matches_reference(dtype, N, V):
     extra = torch.cuda.max_memory_allocated() - base
     assert extra < N * V * 4 // 4 + (1 << 20), "cross-entropy forward used {} extra bytes".format(extra)
     poison()
-    grad = ext.cross_entropy_backward(dloss, dnll, logits, target, lse, 0.1, PAD)
+    grad = ext.cross_entropy_backward(dloss, dnll, logits, target, lse, 0.1, PAD, None)
+    overwritten = logits.clone()
+    in_place = ext.cross_entropy_backward(dloss, dnll, overwritten, target, lse, 0.1, PAD, overwritten)
+    assert in_place.data_ptr() == overwritten.data_ptr() and torch.equal(in_place, grad)
     ref64 = cross_entropy_forward_reference(logits.double(), target, 0.1, PAD)
     g64 = cross_entropy_backward_reference(dloss.double(), dnll.double(), logits.double(), target, ref64[2], 0.1, PAD)
     ref_l = cross_entropy_forward_reference(logits, target, 0.1, PAD)
@@ -66,3 +69,23 @@ def test_kernel_matches_reference(dtype, N, V):
     for o, ref, low, name in zip((loss, nll, lse), ref64, ref_l, ("loss", "nll", "lse")):
         assert rel_error(o, ref) < 1e-5, name  # fp32 outputs whatever the logits' dtype
     check_kernel(grad, g64, g_l, "dlogits")
+
+
+def test_overwrite_logits_puts_the_gradient_in_their_place():
+    """The criterion's setting: the logits' gradient is written over the logits (no second
+    [tokens x vocab] buffer), equal to the gradient computed into a new tensor."""
+    logits = torch.randn(2, 5, 11, dtype=torch.float64)
+    target = torch.randint(0, 11, (2, 5))
+    target[0, -2:] = PAD
+    expected = []
+    for overwrite in (False, True):
+        x = logits.clone().requires_grad_()
+        y = x * 1.0  # the logits as a model's last op makes them: a non-leaf the criterion receives
+        seen = []
+        y.register_hook(lambda g: seen.append(g))
+        loss, nll = ops.label_smoothed_cross_entropy(y, target, 0.1, PAD, overwrite_logits=overwrite)
+        (loss.sum() + 0.5 * nll.sum()).backward()
+        expected.append(x.grad)
+        if overwrite:
+            assert seen[0].data_ptr() == y.data_ptr()  # the gradient lives where the logits were
+    assert_close(expected[1], expected[0], rtol=1e-12, atol=1e-12)

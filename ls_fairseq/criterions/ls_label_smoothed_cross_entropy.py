@@ -72,7 +72,9 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def compute_loss(self, model, net_output, sample, reduce=True):
         logits, target = self.get_logits_and_target(model, net_output, sample)
-        loss, nll_loss = ops.label_smoothed_cross_entropy(logits, target, self.eps, self.padding_idx)
+        # the logits are not needed after the loss: their gradient takes their memory
+        loss, nll_loss = ops.label_smoothed_cross_entropy(logits, target, self.eps, self.padding_idx,
+                                                          overwrite_logits=True)
         if reduce:
             return loss.sum(), nll_loss.sum()
         return loss.reshape(-1, 1), nll_loss.reshape(-1, 1)

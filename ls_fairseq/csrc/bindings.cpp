@@ -378,8 +378,9 @@ std::tuple<Tensor, Tensor, Tensor> cross_entropy_forward(const Tensor& logits, c
   return {loss, nll, lse};
 }
 
+// out: where the gradient goes (the logits themselves when the caller no longer needs them); none: a new tensor
 Tensor cross_entropy_backward(const Tensor& dloss, const Tensor& dnll, const Tensor& logits, const Tensor& target,
-                              const Tensor& lse, double epsilon, int64_t padding_idx) {
+                              const Tensor& lse, double epsilon, int64_t padding_idx, const std::optional<Tensor>& out) {
   check(logits, "logits");
   check_ids(target, "target");
   for (auto* t : {&dloss, &dnll, &lse}) {
@@ -387,8 +388,12 @@ Tensor cross_entropy_backward(const Tensor& dloss, const Tensor& dnll, const Ten
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == logits.size(0), "dloss/dnll/lse must be float32 with ",
                 logits.size(0), " elements");
   }
+  if (out) {
+    check_like(*out, logits, "out", "logits");
+    check_shape(*out, logits.sizes(), "out");
+  }
   const c10::cuda::CUDAGuard guard(logits.device());
-  auto grad = torch::empty_like(logits);
+  auto grad = out ? *out : torch::empty_like(logits);
   ls::cross_entropy_backward(dtype_of(logits, "logits"), dloss.data_ptr<float>(), dnll.data_ptr<float>(),
                              logits.data_ptr(), target.data_ptr<int64_t>(), lse.data_ptr<float>(), grad.data_ptr(),
                              logits.size(0), int(logits.size(1)), float(epsilon), int(padding_idx), stream());

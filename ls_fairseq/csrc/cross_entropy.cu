@@ -5,7 +5,8 @@
 // are never written, in any precision. With V the vocabulary, eps_i = eps / (V - 1):
 //   nll = lse - x_t, smooth = V * lse - sum_j x_j,
 //   loss = (1 - eps - eps_i) * nll + eps_i * smooth (0 where target = padding).
-// Backward reads the row once more and writes the gradient in the logits' dtype:
+// Backward reads the row once more and writes the gradient in the logits' dtype, over
+// the logits themselves when the caller allows (LightSeq2 reuses that buffer too):
 //   dloss/dx_j = p_j - eps_i - (1 - eps - eps_i) [j = t]   (p_j's coefficient,
 //   (1 - eps - eps_i) + V eps_i, is 1); dnll/dx_j = p_j - [j = t]; p_j = exp(x_j - lse).
 #include "common.cuh"
@@ -81,9 +82,10 @@ __global__ void ce_forward_kernel(const T* __restrict__ logits, const int64_t* _
 }
 
 template <typename T, int V>
+// logits and dlogits may be the same buffer (each element is read once, then written once in its place)
 __global__ void ce_backward_kernel(const float* __restrict__ dloss, const float* __restrict__ dnll,
-                                   const T* __restrict__ logits, const int64_t* __restrict__ target,
-                                   const float* __restrict__ lse, T* __restrict__ dlogits, int vocab, float epsilon,
+                                   const T* logits, const int64_t* __restrict__ target,
+                                   const float* __restrict__ lse, T* dlogits, int vocab, float epsilon,
                                    int padding_idx) {
   const int64_t row = blockIdx.x;
   const int64_t t = target[row];

@@ -6,7 +6,11 @@ Per token, with V = vocab size, eps_i = eps / (V - 1), lse = logsumexp(logits):
   loss   = (1 - eps - eps_i) * nll + eps_i * smooth
 and both are 0 where target == padding_idx. Only lse (fp32, one per token) is
 kept for backward: the fp32 [tokens x vocab] log-probabilities are never
-materialised by the kernel.
+materialised by the kernel. With ``overwrite_logits`` the backward writes the
+logits' gradient over the logits themselves (LightSeq2 reuses that buffer too):
+no second [tokens x vocab] buffer, 1 GiB at 16k tokens and a 32k vocabulary in
+fp16. The caller promises that nothing else needs the logits after the loss
+(autograd would report a node that saved them: they are modified in place).
 """
 import torch
 
@@ -25,7 +29,7 @@ def cross_entropy_forward_reference(logits, target, epsilon, padding_idx):
     return loss.masked_fill(pad, 0.0), nll.masked_fill(pad, 0.0), lse
 
 
-def cross_entropy_backward_reference(dloss, dnll, logits, target, lse, epsilon, padding_idx):
+def cross_entropy_backward_reference(dloss, dnll, logits, target, lse, epsilon, padding_idx, out=None):
     # d loss / d logit_j = p_j - eps_i - (1 - eps - eps_i) [j = target]
     #   (the coefficient of p_j is (1 - eps - eps_i) + eps_i * V = 1)
     # d nll / d logit_j = p_j - [j = target]; rows with target == padding_idx get 0
@@ -36,18 +40,18 @@ def cross_entropy_backward_reference(dloss, dnll, logits, target, lse, epsilon, 
     live = target.ne(padding_idx).to(prob.dtype).unsqueeze(-1)
     g_loss, g_nll = dispatch.upcast(dloss).unsqueeze(-1) * live, dispatch.upcast(dnll).unsqueeze(-1) * live
     grad = g_loss * (prob - eps_i - (1.0 - epsilon - eps_i) * onehot) + g_nll * (prob - onehot)
-    return grad.to(logits.dtype)
+    return grad.to(logits.dtype) if out is None else out.copy_(grad)
 
 
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, epsilon, padding_idx):
+    def forward(ctx, logits, target, epsilon, padding_idx, overwrite_logits):
         fwd, bwd = dispatch.implementation(
             "cross_entropy", logits, cross_entropy_forward_reference, cross_entropy_backward_reference
         )
         logits = logits.contiguous()
         loss, nll, lse = fwd(logits, target, epsilon, padding_idx)
-        ctx.bwd, ctx.epsilon, ctx.padding_idx = bwd, epsilon, padding_idx
+        ctx.bwd, ctx.epsilon, ctx.padding_idx, ctx.overwrite_logits = bwd, epsilon, padding_idx, overwrite_logits
         ctx.save_for_backward(logits, target, lse)
         return loss, nll
 
@@ -56,12 +60,14 @@ class CrossEntropyFunction(torch.autograd.Function):
         logits, target, lse = ctx.saved_tensors
         dloss = torch.zeros_like(lse) if dloss is None else dloss.contiguous()
         dnll = torch.zeros_like(lse) if dnll is None else dnll.contiguous()
-        grad = ctx.bwd(dloss, dnll, logits, target, lse, ctx.epsilon, ctx.padding_idx)
-        return grad, None, None, None
+        out = logits if ctx.overwrite_logits else None
+        grad = ctx.bwd(dloss, dnll, logits, target, lse, ctx.epsilon, ctx.padding_idx, out)
+        return grad, None, None, None, None
 
 
-def label_smoothed_cross_entropy(logits, target, epsilon, padding_idx):
-    """Per-token (loss, nll_loss), fp32, zero at padding; logits [..., V], target [...]."""
+def label_smoothed_cross_entropy(logits, target, epsilon, padding_idx, overwrite_logits=False):
+    """Per-token (loss, nll_loss), fp32, zero at padding; logits [..., V], target [...].
+    ``overwrite_logits``: backward writes the gradient over the logits (see above)."""
     V = logits.shape[-1]
     if V < 2:
         raise ValueError("label_smoothed_cross_entropy: vocabulary size must be at least 2, got {}".format(V))
@@ -71,5 +77,7 @@ def label_smoothed_cross_entropy(logits, target, epsilon, padding_idx):
                 tuple(logits.shape), tuple(target.shape)
             )
         )
-    loss, nll = CrossEntropyFunction.apply(logits.reshape(-1, V), target.reshape(-1), float(epsilon), padding_idx)
+    loss, nll = CrossEntropyFunction.apply(
+        logits.reshape(-1, V), target.reshape(-1), float(epsilon), padding_idx, bool(overwrite_logits)
+    )
     return loss.view(target.shape), nll.view(target.shape)
