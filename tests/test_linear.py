@@ -4,11 +4,14 @@ import torch
 from helpers import DEVICES, assert_close
 
 from ls_fairseq import ops
+from ls_fairseq.ops.linear import IN_WORKSPACE
 
 
 def inputs(device, dtype=torch.float64):
+    """x and a weight marked as ls_adam marks the parameters of its workspace."""
     x = torch.randn(3, 7, 13, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(5, 13, device=device, dtype=dtype, requires_grad=True)
+    setattr(w, IN_WORKSPACE, True)
     return x, w
 
 
@@ -47,6 +50,7 @@ def test_low_precision_in_place_is_at_least_as_accurate_as_autograd(device, dtyp
     if device == "cpu" and dtype == torch.float16:
         pytest.skip("fp16 GEMMs on CPU are not what training uses")
     x, w = (t.detach().to(dtype).requires_grad_() for t in inputs(device, torch.float32))
+    setattr(w, IN_WORKSPACE, True)
     old = torch.randn_like(w)
     w.grad = old.clone()
     dy = torch.randn(3, 7, 5, device=device, dtype=dtype)
@@ -75,3 +79,14 @@ def test_distributed_training_keeps_autograds_accumulation(monkeypatch):
 def test_shape_error_names_the_sizes():
     with pytest.raises(ValueError, match="input has 4 features"):
         ops.linear(torch.randn(2, 4), torch.randn(3, 5))
+
+
+def test_other_weights_and_autograd_grad_see_plain_autograd():
+    """Only weights in ls_adam's workspace take the in-place path: torch.autograd.grad on any
+    other weight returns its gradient as usual, even with a .grad allocated."""
+    x = torch.randn(4, 6, dtype=torch.float64)
+    w = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    w.grad = torch.zeros_like(w)
+    (g,) = torch.autograd.grad(ops.linear(x, w).sum(), [w])
+    assert_close(g, torch.ones(4, 3, dtype=torch.float64).t() @ x, rtol=1e-12, atol=1e-12)
+    assert not w.grad.any()

@@ -2,8 +2,10 @@ import argparse
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, rel_error
 from model_utils import batch, build_pair, grads_by_stock_name
+
+from ls_fairseq.ops.linear import IN_WORKSPACE
 
 VARIANTS = {
     "post-ln relu sinusoidal shared": dict(share_all_embeddings=True),
@@ -22,8 +24,11 @@ def nonpad(x, prev, pad):
 @pytest.mark.parametrize("left_pad_target", [None, False])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_training_forward_and_gradients_equal_stock(variant, left_pad_target):
-    """left_pad_target False (fairseq's default): the decoder self-attention drops its padding mask."""
-    stock, ls, task = build_pair(left_pad_target=left_pad_target, **VARIANTS[variant])
+    """In fp64, where the differences left are stock's: fairseq's attention softmax runs in fp32,
+    which leaves relative errors (norm of the difference over stock's norm) up to about 3e-6
+    (cross-attention gradients, 16 seeds); the bound keeps a 10x margin. left_pad_target False
+    (fairseq's default): the decoder self-attention drops its padding mask."""
+    stock, ls, task = build_pair(torch.float64, left_pad_target=left_pad_target, **VARIANTS[variant])
     assert ls.decoder.right_padded_targets == (left_pad_target is False)
     pad = task.source_dictionary.pad()
     net_input, _ = batch(task)
@@ -32,14 +37,14 @@ def test_training_forward_and_gradients_equal_stock(variant, left_pad_target):
     out_stock, _ = stock(**net_input)
     out_ls, _ = ls(**net_input)
     prev = net_input["prev_output_tokens"]
-    assert_close(nonpad(out_ls, prev, pad), nonpad(out_stock, prev, pad), rtol=1e-5, atol=1e-5, what="logits")
+    assert rel_error(nonpad(out_ls, prev, pad), nonpad(out_stock, prev, pad)) < 3e-5, "logits"
     upstream = torch.randn_like(out_stock) * prev.ne(pad).unsqueeze(-1)
     out_stock.backward(upstream)
     out_ls.backward(upstream)
     g_stock, g_ls = grads_by_stock_name(stock, False), grads_by_stock_name(ls, True)
     assert set(g_stock) == set(g_ls)
     for name in g_stock:
-        assert_close(g_ls[name], g_stock[name], rtol=1e-4, atol=1e-5, what=name)
+        assert rel_error(g_ls[name], g_stock[name]) < 3e-5, (name, rel_error(g_ls[name], g_stock[name]))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -123,8 +128,9 @@ def test_gradients_accumulated_in_place_equal_autograds():
     upstream = torch.randn_like(out)
     out.backward(upstream)
     autograd = {name: p.grad.clone() for name, p in ls.named_parameters()}
-    for p in ls.parameters():
+    for p in ls.parameters():  # as ls_adam's workspace leaves them
         p.grad = torch.zeros_like(p)
+        setattr(p, IN_WORKSPACE, True)
     for _ in range(2):
         out, _ = ls(**net_input)
         out.backward(upstream)

@@ -8,11 +8,14 @@ weight and step. Here the GEMM accumulates in place (``addmm_``, cuBLAS beta = 1
 and autograd gets no gradient for the weight. The bias is not here: the fused
 op after the GEMM (qkv, bias_act_dropout, bias_dropout_residual) adds it.
 
-The in-place path is taken when ``weight.grad`` exists with the weight's dtype
-and layout, and torch.distributed is not initialised: DistributedDataParallel
-learns that a gradient is ready from autograd's accumulation hooks, which this
-path does not run (nor ``register_post_accumulate_grad_hook`` hooks). Otherwise
-the weight's gradient goes back to autograd as usual. Same math on CPU and GPU.
+The in-place path is taken for weights that ls_adam keeps in its gradient
+workspace (it sets ``weight.ls_grad_in_workspace``; ``.backward()`` is then the
+only way their gradients are taken in training), when ``weight.grad`` exists
+with the weight's dtype and layout and torch.distributed is not initialised
+(DistributedDataParallel learns that a gradient is ready from autograd's
+accumulation of it). Otherwise the weight's gradient goes back to autograd as
+usual, so ``torch.autograd.grad`` and other optimizers see nothing different.
+Same math on CPU and GPU.
 
   dX = dY W;  dW (+)= dY^T X   (rows of X, Y flattened over batch and time)
 """
@@ -21,10 +24,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+IN_WORKSPACE = "ls_grad_in_workspace"  # the attribute ls_adam sets on the parameters it holds
+
+
 def accumulates_in_place(weight):
     grad = weight.grad
     return (
-        grad is not None
+        getattr(weight, IN_WORKSPACE, False)
+        and grad is not None
         and grad.dtype == weight.dtype
         and grad.shape == weight.shape
         and grad.is_contiguous()

@@ -25,6 +25,7 @@ from fairseq.optim import FairseqOptimizer, register_optimizer
 from omegaconf import II, OmegaConf
 
 from ls_fairseq import ops
+from ls_fairseq.ops.linear import IN_WORKSPACE
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class Workspace:
     def attach_grads(self):
         for p, off in zip(self.params, self.offsets):
             p.grad = self.grad[off : off + p.numel()].view_as(p)
+            setattr(p, IN_WORKSPACE, True)  # ops.linear may accumulate into it in place
 
     def zero_grad(self):
         self.grad.zero_()
