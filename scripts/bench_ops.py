@@ -205,6 +205,24 @@ def bench_adam(dtype, copy_bw):
                 fwd_bw_pct=100 * bytes_ / ls_ms / 1e6 / copy_bw, kernels="{:.0f} / {:.0f}".format(stock_k, ls_k))
 
 
+def bench_linear(dtype):
+    """The FFN's first GEMM, forward and backward, with the weight's gradient already allocated
+    (ls_adam's workspace): autograd's mm into a new tensor plus an add into .grad, against
+    ops.linear's in-place accumulation (addmm_, beta = 1). Time of the three GEMMs and the add."""
+    from ls_fairseq.ops.linear import IN_WORKSPACE
+
+    x, dy = rand(TOKENS, HIDDEN, dtype=dtype).requires_grad_(), rand(TOKENS, FFN, dtype=dtype)
+    results = {}
+    for label, fn in (("stock", torch.nn.functional.linear), ("ls", ops.linear)):
+        w = rand(FFN, HIDDEN, dtype=dtype).requires_grad_()
+        w.grad = torch.zeros_like(w)
+        setattr(w, IN_WORKSPACE, label == "ls")
+        results[label] = kernel_ms(lambda _: fn(x, w).backward(dy), [None])
+    (st_ms, st_k), (ls_ms, ls_k) = results["stock"], results["ls"]
+    return dict(op="linear (fwd+bwd)", stock_fwd_ms=st_ms, ls_fwd_ms=ls_ms, fwd_speedup=st_ms / ls_ms,
+                fwd_bw_pct=None, kernels="{:.0f} / {:.0f}".format(st_k, ls_k))  # GEMMs: compute-bound
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
@@ -216,6 +234,7 @@ def main():
     copy_bw = copy_bandwidth()
     results = [bench_forward_backward(*row, copy_bw=copy_bw) for row in benches(dtype)]
     torch.cuda.empty_cache()
+    results.append(bench_linear(dtype))
     results.append(bench_adam(dtype, copy_bw))
     if args.json:
         with open(args.json, "w") as f:
@@ -226,8 +245,9 @@ def main():
     print("| op | stock fwd ms | ls fwd ms | fwd x | ls fwd % copy bw | stock bwd ms | ls bwd ms | bwd x | ls bwd % copy bw | extra MB stock / ls | kernels |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
-        print("| {op} | {a:.3f} | {b:.3f} | {c:.2f} | {d:.0f}% | {e} | {f} | {g} | {h} | {i} |".format(
-            op=r["op"], a=r["stock_fwd_ms"], b=r["ls_fwd_ms"], c=r["fwd_speedup"], d=r["fwd_bw_pct"],
+        print("| {op} | {a:.3f} | {b:.3f} | {c:.2f} | {d} | {e} | {f} | {g} | {h} | {i} |".format(
+            op=r["op"], a=r["stock_fwd_ms"], b=r["ls_fwd_ms"], c=r["fwd_speedup"],
+            d="-" if r["fwd_bw_pct"] is None else "{:.0f}%".format(r["fwd_bw_pct"]),
             e="{:.3f}".format(r["stock_bwd_ms"]) if "stock_bwd_ms" in r else "-",
             f="{:.3f}".format(r["ls_bwd_ms"]) if "ls_bwd_ms" in r else "-",
             g="{:.2f}".format(r["bwd_speedup"]) if "bwd_speedup" in r else "-",
