@@ -6,7 +6,7 @@
   warm-up epoch (counting kernels inside replayed CUDA graphs too);
 - GPU time per step, from the same profile, and host synchronisations per step
   (torch's sync debug mode over the same steps: each time the host waited for
-  the GPU inside the step);
+  the GPU inside the step), and the source lines that made them;
 - the optimizer's GPU time per update (gradient clipping + the optimizer step,
   between CUDA events, over the same steps);
 - where the time of those steps goes: the host's operators by self CPU time and
@@ -62,8 +62,11 @@ def _profiled_train_step(self, samples, raise_oom=False):
             out = _train_step(self, samples, raise_oom)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
-    _stats["host_syncs_per_step"] = _stats.get("host_syncs_per_step", 0) + syncs / PROFILE_STEPS
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    _stats["host_syncs_per_step"] = _stats.get("host_syncs_per_step", 0) + len(syncs) / PROFILE_STEPS
+    # where they come from: the Python line that made each synchronising call
+    sites = set(_stats.get("host_sync_sites", [])) | {"{}:{}".format(w.filename, w.lineno) for w in syncs}
+    _stats["host_sync_sites"] = sorted(sites)
     _profiler["steps"] += 1
     if _profiler["steps"] == PROFILE_STEPS:
         torch.cuda.synchronize()
