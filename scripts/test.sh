@@ -3,7 +3,9 @@
 #   1. compile every CUDA source with plain nvcc -c (when nvcc is on PATH), so a
 #      kernel that does not compile fails even on a machine without a GPU;
 #   2. bash -n and shellcheck on every shell script;
-#   3. pytest (GPU-marked tests are skipped without a GPU).
+#   3. every Python file parses (the GPU scripts and benchmarks included, which
+#      no CPU test imports);
+#   4. pytest (GPU-marked tests are skipped without a GPU).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -27,5 +29,16 @@ mapfile -t shell_scripts < <(git ls-files '*.sh' .ci/run 2>/dev/null || find . -
 for s in "${shell_scripts[@]}"; do bash -n "$s"; done
 shellcheck "${shell_scripts[@]}"
 echo "test: bash -n and shellcheck pass on ${#shell_scripts[@]} shell scripts"
+
+mapfile -t py_files < <(git ls-files '*.py' 2>/dev/null || find . -name '*.py' -not -path './.venv/*')
+python - "${py_files[@]}" <<'PY'
+import ast
+import sys
+
+for path in sys.argv[1:]:
+    with open(path, encoding="utf-8") as f:
+        ast.parse(f.read(), path)
+PY
+echo "test: every Python file parses (${#py_files[@]} files)"
 
 python -m pytest -q -p no:cacheprovider "$@" tests
