@@ -12,7 +12,7 @@
    1,200-sentence test set; and, with dropout off, the losses of the first
    --first-steps updates (logged every update).
 
-  python scripts/parity.py --out DIR [--updates 2000] [--systems ls-fp16,ls-bf16,...] [-- fairseq-train options]
+  python scripts/parity.py --out DIR [--updates 2000] [--systems ls-fp16-master,ls-bf16-master,...] [-- fairseq-train options]
   python scripts/parity.py --out DIR --rescore    # BLEU of DIR's hypotheses, where sacrebleu is installed
 
 --data DIR reuses a corpus prepared before (prepare.sh skips finished steps), for
@@ -201,7 +201,7 @@ def main():
     parser.add_argument("--updates", type=int, default=2000)
     parser.add_argument("--compare-from", type=int, default=200)
     parser.add_argument("--first-steps", type=int, default=20, help="dropout-off check length (0: skip it)")
-    parser.add_argument("--systems", default="ls-fp16,ls-bf16", help=", ".join(PRECISION))
+    parser.add_argument("--systems", default="ls-fp16-master,ls-bf16-master", help=", ".join(PRECISION))
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--rescore", action="store_true", help="only score OUT's hypotheses and report again")
     parser.add_argument("extra", nargs="*", help="options for every fairseq-train run (after --)")
