@@ -76,11 +76,12 @@ class Workspace:
                 if p.grad is not None:
                     self.grad[off : off + p.numel()].view_as(p).copy_(p.grad)
         self.attach_grads()
+        for p in params:
+            setattr(p, IN_WORKSPACE, True)  # ops.linear may accumulate into its gradient in place
 
     def attach_grads(self):
         for p, off in zip(self.params, self.offsets):
             p.grad = self.grad[off : off + p.numel()].view_as(p)
-            setattr(p, IN_WORKSPACE, True)  # ops.linear may accumulate into it in place
 
     def zero_grad(self):
         self.grad.zero_()
