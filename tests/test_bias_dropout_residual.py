@@ -66,9 +66,10 @@ def test_kernel_matches_reference(dtype, rows, hidden, p):
 
 
 @pytest.mark.gpu
-def test_kernel_dropout_rate_seed_and_given_mask():
-    x, r = torch.randn(4096, 1024, device="cuda"), torch.zeros(4096, 1024, device="cuda")
-    b = torch.zeros(1024, device="cuda")
+@pytest.mark.parametrize("hidden", [1024, 1023])  # 16-byte vectors; the one-element path
+def test_kernel_dropout_rate_seed_and_given_mask(hidden):
+    x, r = torch.randn(4096, hidden, device="cuda"), torch.zeros(4096, hidden, device="cuda")
+    b = torch.zeros(hidden, device="cuda")
     ext = kernel("bias_dropout_residual", x)
     torch.cuda.manual_seed(5)
     a, mask_a = ext.bias_dropout_residual_forward(x, b, r, 0.3, None)
@@ -77,6 +78,10 @@ def test_kernel_dropout_rate_seed_and_given_mask():
     _, mask_c = ext.bias_dropout_residual_forward(x, b, r, 0.3, None)
     assert torch.equal(mask_a, mask_c) and not torch.equal(mask_a, mask_b)
     assert abs(mask_a.float().mean().item() - 0.7) < 0.003
-    given, _ = ext.bias_dropout_residual_forward(x, b, r, 0.3, mask_b)
-    wrong = (given == 0) != (mask_b == 0)
+    # neighbours are independent: equal with probability 0.7^2 + 0.3^2
+    flat = mask_a.flatten()
+    assert abs((flat[1:] == flat[:-1]).float().mean().item() - 0.58) < 0.003
+    given_mask = keep_mask(x.shape, 0.3, "cuda")
+    given, _ = ext.bias_dropout_residual_forward(x, b, r, 0.3, given_mask)
+    wrong = (given == 0) != (given_mask == 0)
     assert not wrong.any(), "{} elements ignore the given mask, first at {}".format(int(wrong.sum()), wrong.nonzero()[:4].tolist())

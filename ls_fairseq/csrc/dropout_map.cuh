@@ -33,12 +33,17 @@ __global__ void dropout_map_kernel(F f, T* __restrict__ out, uint8_t* __restrict
       float v[V];
       bool keep[V];
       f.template values<V>(base, v);
+      if constexpr (V % 4 == 0) {  // base is a multiple of 4: whole Philox groups
 #pragma unroll
-      for (int i = 0; i < V; i += 4) {
-        bool k[4] = {true, true, true, true};
-        if (p > 0.f) keep4(rng, (base + i) >> 2, p, k);
+        for (int i = 0; i < V; i += 4) {
+          bool k[4] = {true, true, true, true};
+          if (p > 0.f) keep4(rng, (base + i) >> 2, p, k);
 #pragma unroll
-        for (int j = 0; j < 4 && i + j < V; ++j) keep[i + j] = k[j];
+          for (int j = 0; j < 4; ++j) keep[i + j] = k[j];
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) keep[i] = p > 0.f ? keep1(rng, base + i, p) : true;
       }
 #pragma unroll
       for (int i = 0; i < V; ++i) v[i] = keep[i] ? v[i] * scale : 0.f;
