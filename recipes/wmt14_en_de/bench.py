@@ -2,11 +2,15 @@
 
 Trains transformer-big (and base) with the scaling_nmt hyper-parameters on the
 same synthetic WMT14-like data (synthetic.py), sweeping --max-tokens, through
-fairseq-train as users run it. Per point: steady-state wps (mean of the epoch
-summaries after the first, warm-up epoch), ups, peak GPU memory over the run,
-kernel launches and GPU time per step (bench_hooks), MFU, and the speed-up
-over stock fairseq --fp16 (its fastest setting). Writes results.json, a
-Markdown table (printed last), a PNG plot and TensorBoard scalars.
+fairseq-train as users run it. Three epochs: the first is the warm-up (its wps
+is reported: a per-shape cost shows there), the others give the steady state
+(mean wps of their log intervals), and a few steps of the last are profiled
+(bench_hooks: kernel launches, GPU time, host synchronisations and optimizer
+time per step, host and kernel tables), those intervals left out of the mean.
+Per point also: ups, the wall time of a step, peak GPU memory over the run,
+MFU, and the speed-up over stock fairseq --fp16 (its fastest setting). Writes
+results.json, a Markdown table (printed last), a PNG plot and TensorBoard
+scalars.
 
   python bench.py --out results/DATE                       # core points: big, 4096/8192/16384
   python bench.py --out results/DATE --full                # 512 .. 16384, big and base
@@ -25,19 +29,24 @@ sys.path.insert(0, REPO)
 from ls_fairseq.flops import training_flops_per_target_token  # noqa: E402 (the checkout's package)
 PEAK_TFLOPS = 989.0  # dense fp16/bf16, H100/H200
 
+LOG_INTERVAL = 10
 COMMON = [
     "--share-all-embeddings", "--adam-betas", "(0.9,0.98)", "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt",
     "--warmup-updates", "4000", "--dropout", "0.3", "--label-smoothing", "0.1", "--no-save", "--disable-validation",
-    "--log-format", "simple", "--log-interval", "10", "--num-workers", "2", "--seed", "1",
+    "--log-format", "simple", "--log-interval", str(LOG_INTERVAL), "--num-workers", "2", "--seed", "1",
 ]
+LS = ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam")
 SYSTEMS = {
-    # name: (architecture prefix, criterion, optimizer, precision flags, loads the plugin)
-    # ls systems run through ls-fairseq-train (python -m ls_fairseq.train), which keeps bf16 on the GPU
-    "stock-fp16": ("", "label_smoothed_cross_entropy", "adam", ["--fp16"], False),
-    "ls-fp16": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--memory-efficient-fp16"], True),
-    "ls-fp16-master": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--fp16"], True),
-    "ls-bf16": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--memory-efficient-bf16"], True),
-    "ls-bf16-master": ("ls_", "ls_label_smoothed_cross_entropy", "ls_adam", ["--bf16"], True),
+    # name: (architecture prefix, criterion, optimizer, precision flags, entry point)
+    # ls-fairseq-train (python -m ls_fairseq.train) is fairseq-train with the plugin and its trainer
+    # (device-decided optimizer step; bf16 kept on the GPU)
+    "stock-fp16": ("", "label_smoothed_cross_entropy", "adam", ["--fp16"], "fairseq_cli.train"),
+    "ls-fp16": LS + (["--memory-efficient-fp16"], "ls_fairseq.train"),
+    "ls-fp16-master": LS + (["--fp16"], "ls_fairseq.train"),
+    "ls-bf16": LS + (["--memory-efficient-bf16"], "ls_fairseq.train"),
+    "ls-bf16-master": LS + (["--bf16"], "ls_fairseq.train"),
+    # the plugin under plain fairseq-train --user-dir: fairseq's FP16Optimizer and host-side checks
+    "ls-fp16-fairseq-train": LS + (["--fp16"], "fairseq_cli.train"),
 }
 ARCHS = {"big": "transformer_vaswani_wmt_en_de_big", "base": "transformer_wmt_en_de"}
 DIMS = {"big": (1024, 4096, 6, 6), "base": (512, 2048, 6, 6)}
@@ -50,10 +59,10 @@ def flops_per_target_token(arch, vocab=32000, length=30.0):
 
 
 def run(system, arch, max_tokens, data, epochs, work):
-    prefix, criterion, optimizer, precision, with_ls = SYSTEMS[system]
+    prefix, criterion, optimizer, precision, entry = SYSTEMS[system]
+    with_ls = prefix == "ls_"
     name = "{}-{}-{}".format(arch, system, max_tokens)
     hooks_out = os.path.join(work, name + ".hooks.json")
-    entry = "ls_fairseq.train" if with_ls else "fairseq_cli.train"
     cmd = [sys.executable, "-m", entry, data, "--user-dir", os.path.join(HERE, "bench_hooks"),
            "--arch", prefix + ARCHS[arch], "--criterion", criterion, "--optimizer", optimizer,
            "--max-tokens", str(max_tokens), "--max-epoch", str(epochs),
@@ -69,45 +78,51 @@ def run(system, arch, max_tokens, data, epochs, work):
     if proc.returncode != 0:
         result["error"] = log.strip().splitlines()[-1] if log.strip() else "no output"
         return result
-    epochs_stats = {}
-    for m in re.finditer(r"\| train \| epoch (\d+) \|(.*)", log):
-        fields = dict(re.findall(r"(\w+) ([\d.]+)", m.group(2)))
-        epochs_stats[int(m.group(1))] = fields
-    steady = [v for k, v in epochs_stats.items() if k >= 2]
-    first = epochs_stats.get(1, {})
-    if steady:
-        result["wps"] = sum(float(v["wps"]) for v in steady) / len(steady)
-        result["ups"] = sum(float(v["ups"]) for v in steady) / len(steady)
-    result["first_epoch_wps"] = float(first["wps"]) if "wps" in first else None
+    hooks = {}
     if os.path.exists(hooks_out):
         with open(hooks_out) as f:
             hooks = json.load(f)
+    profiled = hooks.get("profiled_updates", [])
+    first, steady = [], []
+    for m in re.finditer(r"\| train_inner \| epoch (\d+):.*", log):
+        fields = dict(re.findall(r"(\w+)=([\d.]+)", m.group(0)))
+        update = int(fields["num_updates"])
+        if int(m.group(1)) == 1:
+            first.append(fields)
+        elif not any(update - LOG_INTERVAL < u <= update for u in profiled):
+            steady.append(fields)
+    first_epoch = re.search(r"\| train \| epoch 001 \|.*? wps ([\d.]+)", log)
+    if steady:
+        result["wps"] = sum(float(v["wps"]) for v in steady) / len(steady)
+        result["ups"] = sum(float(v["ups"]) for v in steady) / len(steady)
+        result["step_ms"] = 1000.0 / result["ups"]
+    result["first_epoch_wps"] = float(first_epoch.group(1)) if first_epoch else None
+    if hooks:
         result["peak_gib"] = hooks["peak_bytes"] / 2**30
-        result["kernels_per_step"] = hooks.get("kernels_per_step")
-        result["gpu_ms_per_step"] = hooks.get("gpu_ms_per_step")
-        result["host_syncs_per_step"] = hooks.get("host_syncs_per_step")
-        result["optimizer_ms_per_step"] = hooks.get("optimizer_ms_per_step")
+        for key in ("kernels_per_step", "gpu_ms_per_step", "host_syncs_per_step", "host_sync_sites",
+                    "optimizer_ms_per_step"):
+            result[key] = hooks.get(key)
     if "wps" in result:
         result["mfu"] = result["wps"] * flops_per_target_token(arch) / (PEAK_TFLOPS * 1e12)
     return result
 
 
 def table(results):
-    lines = ["| arch | max-tokens | system | wps (steady) | speed-up | ups | first-epoch wps | peak GiB | kernels/step | GPU ms/step | host syncs/step | optimizer ms/step | MFU |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| arch | max-tokens | system | wps (steady) | speed-up | ups | step ms | first-epoch wps | peak GiB | kernels/step | GPU ms/step | host syncs/step | optimizer ms/step | MFU |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     base = {(r["arch"], r["max_tokens"]): r.get("wps") for r in results if r["system"] == "stock-fp16"}
     for r in results:
         if "wps" not in r:
-            lines.append("| {arch} | {max_tokens} | {system} | failed: {e} | | | | | | | | | |".format(e=r.get("error", "?"), **r))
+            lines.append("| {arch} | {max_tokens} | {system} | failed: {e} | | | | | | | | | | |".format(e=r.get("error", "?"), **r))
             continue
         ref = base.get((r["arch"], r["max_tokens"]))
 
         def fmt(key, spec):
             return spec.format(r[key]) if r.get(key) is not None else "-"
 
-        lines.append("| {} | {} | {} | {:.0f} | {} | {:.1f} | {} | {} | {} | {} | {} | {} | {:.1%} |".format(
+        lines.append("| {} | {} | {} | {:.0f} | {} | {:.1f} | {:.1f} | {} | {} | {} | {} | {} | {} | {:.1%} |".format(
             r["arch"], r["max_tokens"], r["system"], r["wps"], "{:.2f}x".format(r["wps"] / ref) if ref else "-",
-            r["ups"], fmt("first_epoch_wps", "{:.0f}"), fmt("peak_gib", "{:.1f}"), fmt("kernels_per_step", "{:.0f}"),
+            r["ups"], r["step_ms"], fmt("first_epoch_wps", "{:.0f}"), fmt("peak_gib", "{:.1f}"), fmt("kernels_per_step", "{:.0f}"),
             fmt("gpu_ms_per_step", "{:.1f}"), fmt("host_syncs_per_step", "{:.0f}"),
             fmt("optimizer_ms_per_step", "{:.2f}"), r["mfu"]))
     return "\n".join(lines)
@@ -157,8 +172,10 @@ def main():
     parser.add_argument("--archs", default="big")
     parser.add_argument("--systems", default="stock-fp16,ls-fp16-master,ls-bf16-master", help=", ".join(SYSTEMS))
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--pairs", type=int, default=12000)
+    parser.add_argument("--pairs", type=int, default=24000)
     args = parser.parse_args()
+    if args.epochs < 2:
+        parser.error("--epochs must be at least 2: a warm-up epoch and a measured one")
     if args.full:
         args.max_tokens, args.archs = "512,1024,2048,4096,8192,16384", "big,base"
     os.makedirs(args.out, exist_ok=True)

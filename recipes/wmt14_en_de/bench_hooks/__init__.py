@@ -3,10 +3,12 @@
 - peak GPU memory over the whole run: fairseq resets the peak statistics every
   step, so the peak is read just before each reset and the maximum is kept;
 - kernel launches per training step: torch.profiler over a few steps of the
-  warm-up epoch (counting kernels inside replayed CUDA graphs too);
+  last epoch, in steady state (counting kernels inside replayed CUDA graphs
+  too); the profiled update numbers are recorded so that the benchmark leaves
+  their log intervals out of its wps;
 - GPU time per step, from the same profile, and host synchronisations per step
   (torch's sync debug mode over the same steps: each time the host waited for
-  the GPU inside the step), and the source lines that made them;
+  the GPU inside the step), with the Python call chain that made each;
 - the optimizer's GPU time per update (gradient clipping + the optimizer step,
   between CUDA events, over the same steps);
 - where the time of those steps goes: the host's operators by self CPU time and
@@ -19,6 +21,7 @@ $BENCH_WITH_LS=1 it also loads the ls_fairseq plugin (fairseq takes one
 import atexit
 import json
 import os
+import traceback
 import warnings
 
 import torch
@@ -29,8 +32,8 @@ if os.environ.get("BENCH_WITH_LS") == "1":
 from fairseq.tasks import FairseqTask  # noqa: E402
 from fairseq.trainer import Trainer  # noqa: E402
 
-PROFILE_FROM, PROFILE_STEPS = int(os.environ.get("BENCH_PROFILE_FROM", "15")), 3
-_stats = {"peak_bytes": 0}
+PROFILE_SKIP, PROFILE_STEPS = 5, 3  # into the last epoch: its data loader has started
+_stats = {"peak_bytes": 0, "profiled_updates": []}
 _reset = torch.cuda.reset_peak_memory_stats
 
 
@@ -41,13 +44,26 @@ def _record_then_reset(*args, **kwargs):
 
 
 torch.cuda.reset_peak_memory_stats = _record_then_reset
-_train_step = Trainer.train_step
-_profiler = {"prof": None, "steps": 0}
+_train_step, _begin_epoch = Trainer.train_step, Trainer.begin_epoch
+_profiler = {"prof": None, "steps": 0, "from": None}
+
+
+def _begin_last_epoch(self, epoch):
+    if epoch == self.cfg.optimization.max_epoch:
+        _profiler["from"] = self.get_num_updates() + PROFILE_SKIP
+    return _begin_epoch(self, epoch)
+
+
+def _call_chain(limit=4):
+    """The innermost frames outside torch and this module: who made the call."""
+    frames = [f for f in traceback.extract_stack()[:-1]
+              if "/torch/" not in f.filename and "/warnings.py" not in f.filename and f.filename != __file__]
+    return " < ".join("{}:{} {}".format(os.path.basename(f.filename), f.lineno, f.name) for f in reversed(frames[-limit:]))
 
 
 def _profiled_train_step(self, samples, raise_oom=False):
     step = self.get_num_updates()
-    if step == PROFILE_FROM and _profiler["prof"] is None and torch.cuda.is_available():
+    if step == _profiler["from"] and _profiler["prof"] is None and torch.cuda.is_available():
         torch.cuda.synchronize()
         _profiler["prof"] = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
@@ -55,18 +71,19 @@ def _profiled_train_step(self, samples, raise_oom=False):
     prof = _profiler["prof"]
     if prof is None or _profiler["steps"] >= PROFILE_STEPS:
         return _train_step(self, samples, raise_oom)
-    with warnings.catch_warnings(record=True) as caught:
+    syncs = []
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *args, **kwargs: (
+            syncs.append(_call_chain()) if "synchroniz" in str(message) else None)
         torch.cuda.set_sync_debug_mode("warn")
         try:
             out = _train_step(self, samples, raise_oom)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    _stats["profiled_updates"].append(step + 1)
     _stats["host_syncs_per_step"] = _stats.get("host_syncs_per_step", 0) + len(syncs) / PROFILE_STEPS
-    # where they come from: the Python line that made each synchronising call
-    sites = set(_stats.get("host_sync_sites", [])) | {"{}:{}".format(w.filename, w.lineno) for w in syncs}
-    _stats["host_sync_sites"] = sorted(sites)
+    _stats["host_sync_sites"] = sorted(set(_stats.get("host_sync_sites", [])) | set(syncs))
     _profiler["steps"] += 1
     if _profiler["steps"] == PROFILE_STEPS:
         torch.cuda.synchronize()
@@ -80,8 +97,8 @@ def _profiled_train_step(self, samples, raise_oom=False):
         if path:
             averages = prof.key_averages()
             with open(os.path.splitext(path)[0] + ".profile.txt", "w") as f:
-                for key in ("self_cpu_time_total", "self_device_time_total"):
-                    f.write(averages.table(sort_by=key, row_limit=30, max_name_column_width=90) + "\n")
+                for key, rows in (("self_cpu_time_total", 40), ("self_device_time_total", 40), ("count", 80)):
+                    f.write(averages.table(sort_by=key, row_limit=rows, max_name_column_width=90) + "\n")
         pairs = _optimizer_spans["pairs"]
         if pairs:
             _stats["optimizer_ms_per_step"] = sum(a.elapsed_time(b) for a, b in pairs) / len(pairs)
@@ -89,6 +106,7 @@ def _profiled_train_step(self, samples, raise_oom=False):
 
 
 Trainer.train_step = _profiled_train_step
+Trainer.begin_epoch = _begin_last_epoch
 _clip_grad_norm, _optimizer_step = Trainer.clip_grad_norm, FairseqTask.optimizer_step
 _optimizer_spans = {"start": None, "pairs": []}
 
