@@ -87,3 +87,19 @@ def test_gpu_attention_matches_reference(dtype, causal):
     low = run(q, k, v, attention_reference)
     for o, r, lo, name in zip(ours, ref64, low, ("out", "dq", "dk", "dv")):
         check_kernel(o, r, lo, name)
+
+
+@pytest.mark.gpu
+def test_deterministic_attention_repeats_bit_for_bit():
+    B, H, T, D = 8, 16, 257, 64
+    kernel("softmax", torch.empty(1, device="cuda"))
+    q, k, v, dout = (torch.randn(B, H, T, D, device="cuda", dtype=torch.float16) for _ in range(4))
+    kpm = torch.zeros(B, T, dtype=torch.bool, device="cuda")
+    kpm[1, -40:] = True
+    runs = []
+    for _ in range(2):
+        torch.cuda.manual_seed(3)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ops.attention(*leaves, ops.AttentionMask(kpm), 0.1, True, deterministic=True)
+        runs.append([out] + list(torch.autograd.grad(out, leaves, dout)))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -121,6 +121,32 @@ def test_fp16_loss_scale_decided_on_the_device(data_bin, tmp_path):
     assert torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)["last_optimizer_state"]["state"]["step"] > 10 - sum(skipped)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["--fp16", "--bf16"])
+def test_gpu_resume_continues_bit_identically(data_bin, tmp_path, precision):
+    """On the GPU with --ls-deterministic: 8 updates in one run, and 4 + resume + 4 (mid-epoch, dropout on,
+    ls-fairseq-train's device-decided step and loss scale), end with the same bits in every parameter
+    and every optimizer state tensor."""
+    import sys
+
+    gpu = [a for a in TRAIN if a != "--cpu"] + [precision, "--ls-deterministic", "--attention-dropout", "0.1",
+                                                  "--disable-validation", "--no-epoch-checkpoints"]
+    cmd = [sys.executable, "-m", "ls_fairseq.train", str(data_bin / "data-bin")]
+    for save, stops in (("straight", ["8"]), ("resumed", ["4", "8"])):
+        for stop in stops:
+            proc = run(cmd + gpu + ["--save-dir", str(tmp_path / save), "--max-update", stop])
+            assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = (torch.load(tmp_path / save / "checkpoint_last.pt", weights_only=True) for save in ("straight", "resumed"))
+    assert a["optimizer_history"][-1]["num_updates"] == b["optimizer_history"][-1]["num_updates"] == 8
+    assert set(a["model"]) == set(b["model"])
+    differ = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
+    assert not differ, "parameters differ after the resume: {}".format(differ)
+    sa, sb = a["last_optimizer_state"], b["last_optimizer_state"]
+    assert sa.get("loss_scale") == sb.get("loss_scale")
+    assert all(torch.equal(sa["state"][k], sb["state"][k]) if torch.is_tensor(sa["state"][k]) else
+               sa["state"][k] == sb["state"][k] for k in sa["state"]), "optimizer state differs after the resume"
+
+
 def test_fine_tune_a_stock_model_with_the_plugin(data_bin, tmp_path):
     stock_dir = tmp_path / "stock"
     stock_args = ["--arch", "transformer_tiny", "--share-all-embeddings", "--criterion", "label_smoothed_cross_entropy",

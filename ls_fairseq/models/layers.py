@@ -61,6 +61,7 @@ class _Layer(nn.Module):
         self.attention_dropout = cfg.attention_dropout
         self.activation_dropout = cfg.activation_dropout
         self.activation_fn = cfg.activation_fn
+        self.deterministic = cfg.ls_deterministic
         self.self_attn = SelfAttention(embed_dim, num_heads)
         self.self_attn_layer_norm = nn.LayerNorm(embed_dim)
         self.fc1 = nn.Linear(embed_dim, ffn_dim)
@@ -82,7 +83,7 @@ class _Layer(nn.Module):
                 k = torch.cat([cache["k"], k], dim=2)
                 v = torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
-        ctx = ops.attention(q, k, v, mask, self.attention_dropout, self.training)
+        ctx = ops.attention(q, k, v, mask, self.attention_dropout, self.training, self.deterministic)
         out = ops.linear(ops.merge_heads(ctx), attn.out_proj.weight)
         x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training)
         return self._norm(x, self.self_attn_layer_norm, False)
@@ -130,7 +131,7 @@ class DecoderLayer(_Layer):
         attn = self.encoder_attn
         h = self._norm(x, self.encoder_attn_layer_norm, True)
         (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight), attn.q_proj.bias, attn.num_heads, 1, attn.scaling)
-        ctx = ops.attention(q, enc_k, enc_v, enc_mask, self.attention_dropout, self.training)
+        ctx = ops.attention(q, enc_k, enc_v, enc_mask, self.attention_dropout, self.training, self.deterministic)
         out = ops.linear(ops.merge_heads(ctx), attn.out_proj.weight)
         x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training)
         x = self._norm(x, self.encoder_attn_layer_norm, False)

@@ -76,6 +76,13 @@ class LSTransformerConfig(FairseqDataclass):
     max_target_positions: int = field(
         default=DEFAULT_MAX_POSITIONS, metadata={"help": "Maximum output length supported by the decoder"}
     )
+    ls_deterministic: bool = field(
+        default=False,
+        metadata={
+            "help": "bit-identical reruns and resumes on the GPU: attention in training through cuBLAS and the "
+            "fused masked softmax, as LightSeq2 does, instead of FlashAttention, whose backward adds with atomics"
+        },
+    )
 
 
 def _embedding(num_embeddings, embedding_dim, padding_idx):
@@ -323,6 +330,7 @@ def base_architecture(args):
     args.no_scale_embedding = getattr(args, "no_scale_embedding", False)
     args.max_source_positions = getattr(args, "max_source_positions", None) or DEFAULT_MAX_POSITIONS
     args.max_target_positions = getattr(args, "max_target_positions", None) or DEFAULT_MAX_POSITIONS
+    args.ls_deterministic = getattr(args, "ls_deterministic", False)
 
 
 @register_model_architecture("ls_transformer", "ls_transformer_tiny")

@@ -5,7 +5,9 @@ q arrives already scaled (the qkv op folds 1/sqrt(d_head) in). Two paths:
   the reference on CPU and the oracle everywhere;
 - torch's scaled_dot_product_attention, which never writes the Tq x Tk
   scores. Taken on CUDA unless the ``attention`` op is forced to the
-  reference (LS_FAIRSEQ_REFERENCE). Its FlashAttention and memory-efficient
+  reference (LS_FAIRSEQ_REFERENCE) or a deterministic training step is asked
+  for (FlashAttention's backward accumulates dq with atomic adds, so two runs
+  differ in the last bits; the LightSeq path's GEMMs and kernels do not). Its FlashAttention and memory-efficient
   kernels only: torch prefers cuDNN's attention on Hopper, which builds an
   execution plan for every new batch shape (about 10 ms of host time per call,
   measured on the H200: docs/perf-log.md), so a first epoch, where nearly
@@ -79,8 +81,9 @@ def attention_reference(q, k, v, mask=None, p=0.0, training=True, dropout_mask=N
     return torch.matmul(probs, v)
 
 
-def attention(q, k, v, mask=None, p=0.0, training=True):
-    """softmax(q k^T + masks) v with dropout ``p`` on the probabilities; ``mask`` an AttentionMask."""
+def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False):
+    """softmax(q k^T + masks) v with dropout ``p`` on the probabilities; ``mask`` an AttentionMask;
+    ``deterministic``: bit-identical results run to run, in training too."""
     if not (q.dim() == k.dim() == v.dim() == 4) or q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(
             "attention: q {}, k {}, v {} must be [batch, heads, len, d_head] with matching d_head and k/v lengths".format(
@@ -88,7 +91,7 @@ def attention(q, k, v, mask=None, p=0.0, training=True):
             )
         )
     p = p if training else 0.0
-    if dispatch.use_kernel("attention", q):
+    if dispatch.use_kernel("attention", q) and not (deterministic and training):
         attn_mask, is_causal = mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask else (None, False)
         with _backends():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal,
