@@ -56,7 +56,7 @@ def test_kernel_matches_reference(dtype, rows, hidden, p):
     out, mask = ext.bias_dropout_residual_forward(x, b, r, p, None)
     assert (mask is None) == (p == 0)
     poison()
-    dx, db = ext.bias_dropout_residual_backward(dout, mask, p)
+    dx, db = ext.bias_dropout_residual_backward(dout, mask, p, None)
     out64, _ = bias_dropout_residual_forward_reference(x.double(), b.double(), r.double(), p, mask)
     dx64, db64 = bias_dropout_residual_backward_reference(dout.double(), mask, p)
     out_l, _ = bias_dropout_residual_forward_reference(x, b, r, p, mask)

@@ -89,8 +89,8 @@ def test_kernel_matches_reference(dtype, learned, B, T, D, p):
     poison()
     out, mask = embedding_forward_kernel(tokens, positions, w, pw, D**0.5, PAD, p, None)
     poison()
-    dw, dpw = ext.embedding_backward(dout, tokens, positions, mask, D**0.5, PAD, p, V, pw.shape[0] if learned else 0)
-    dw2, _ = ext.embedding_backward(dout, tokens, positions, mask, D**0.5, PAD, p, V, pw.shape[0] if learned else 0)
+    dw, dpw = ext.embedding_backward(dout, tokens, positions, mask, D**0.5, PAD, p, V, pw.shape[0] if learned else 0, None, None)
+    dw2, _ = ext.embedding_backward(dout, tokens, positions, mask, D**0.5, PAD, p, V, pw.shape[0] if learned else 0, None, None)
     assert torch.equal(dw, dw2), "the table gradient must be deterministic"
     pw64 = pw.double() if learned else None
     out64, _ = embedding_forward_reference(tokens, positions, w.double(), pw64, D**0.5, PAD, p, mask)

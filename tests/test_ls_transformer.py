@@ -1,11 +1,12 @@
 import argparse
+import copy
 
 import pytest
 import torch
-from helpers import assert_close, rel_error
+from helpers import LOW_PRECISION, assert_close, check_kernel, kernel, rel_error
 from model_utils import batch, build_pair, grads_by_stock_name
 
-from ls_fairseq.ops.linear import IN_WORKSPACE
+from ls_fairseq.ops.dispatch import IN_WORKSPACE
 
 VARIANTS = {
     "post-ln relu sinusoidal shared": dict(share_all_embeddings=True),
@@ -117,13 +118,20 @@ def test_dropout_changes_training_output_and_eval_is_deterministic():
     assert torch.equal(ls(**net_input)[0], ls(**net_input)[0])
 
 
-def test_gradients_accumulated_in_place_equal_autograds():
-    """With the gradients already allocated (ls_adam keeps them in its workspace), the linear
-    layers accumulate their weight gradients in place: the same as autograd's, also summed over
-    two backward passes (--update-freq 2)."""
-    _, ls, task = build_pair(torch.float64)
+@pytest.mark.parametrize("device,dtype,rtol", [
+    ("cpu", torch.float64, 1e-10),
+    pytest.param("cuda", torch.float32, 1e-5, marks=pytest.mark.gpu),  # the kernels round the sum once, autograd twice
+])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gradients_accumulated_in_place_equal_autograds(device, dtype, rtol, variant):
+    """With the gradients already allocated (ls_adam keeps them in its workspace), every op
+    accumulates its parameters' gradients in place (GEMMs, bias, LayerNorm and embedding
+    gradients): the same as autograd's, also summed over two backward passes (--update-freq 2)."""
+    _, ls, task = build_pair(torch.float64, **VARIANTS[variant])
+    ls = ls.to(device, dtype)
     ls.eval()  # no dropout: the passes see the same function
     net_input, _ = batch(task)
+    net_input = {k: v.to(device) for k, v in net_input.items()}
     out, _ = ls(**net_input)
     upstream = torch.randn_like(out)
     out.backward(upstream)
@@ -135,4 +143,77 @@ def test_gradients_accumulated_in_place_equal_autograds():
         out, _ = ls(**net_input)
         out.backward(upstream)
     for name, p in ls.named_parameters():
-        assert_close(p.grad, 2 * autograd[name], rtol=1e-10, atol=1e-12, what=name)
+        assert_close(p.grad, 2 * autograd[name], rtol=rtol, atol=rtol * 1e-2, what=name)
+
+
+def gpu_versions(ls, dtype, monkeypatch):
+    """(fp64 reference, ``dtype`` on the kernels, ``dtype`` on the references: PyTorch's own error), on CUDA."""
+    ref64 = copy.deepcopy(ls).cuda()
+    lowp, fused = copy.deepcopy(ref64).to(dtype), copy.deepcopy(ref64).to(dtype)
+
+    def run(model, fn):
+        if model is lowp:
+            monkeypatch.setenv("LS_FAIRSEQ_REFERENCE", "all")
+        try:
+            return fn(model)
+        finally:
+            monkeypatch.delenv("LS_FAIRSEQ_REFERENCE", raising=False)
+
+    kernel("layer_norm", next(fused.parameters()))
+    return [(m, lambda fn, m=m: run(m, fn)) for m in (ref64, fused, lowp)]
+
+
+GPU_DIMS = dict(encoder_embed_dim=128, encoder_ffn_embed_dim=200, encoder_attention_heads=8,
+                decoder_embed_dim=128, decoder_ffn_embed_dim=200, decoder_attention_heads=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_layers_on_the_gpu_match_the_reference_layers(variant, dtype, monkeypatch):
+    """A training step of the whole model (padding, odd lengths 33 and 17) on the kernels: logits and every
+    parameter gradient against fp64, within twice the error of the references run in the same precision."""
+    _, ls, task = build_pair(torch.float64, left_pad_target=False, **VARIANTS[variant], **GPU_DIMS)
+    ls.train()
+    net_input, _ = batch(task, B=6, S=33, T=17, seed=1)
+    net_input = {k: v.cuda() for k, v in net_input.items()}
+    prev, pad = net_input["prev_output_tokens"], task.source_dictionary.pad()
+    upstream = None
+    results = []
+    for model, run in gpu_versions(ls, dtype, monkeypatch):
+        out = run(lambda m: m(**net_input)[0])
+        if upstream is None:
+            upstream = torch.randn_like(out) * prev.ne(pad).unsqueeze(-1)
+        run(lambda m: out.backward(upstream.to(out.dtype)))
+        results.append([("logits", nonpad(out, prev, pad))] + [(n, p.grad) for n, p in model.named_parameters()])
+    for (name, ref), (_, out), (_, low) in zip(*results):
+        check_kernel(out, ref, low, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_incremental_decoding_on_the_gpu_matches_the_reference(dtype, monkeypatch):
+    """Step-by-step decoding with a beam reorder and a finished sentence, on the kernels, against the fp64
+    reference's full forward, within twice the error of the references decoding in the same precision."""
+    _, ls, task = build_pair(torch.float64, **GPU_DIMS)
+    ls.eval()
+    net_input, _ = batch(task, B=2, S=33, T=9, seed=2)
+    src = net_input["src_tokens"].repeat_interleave(2, dim=0).cuda()
+    prev = torch.randint(4, 40, (4, 9), generator=torch.Generator().manual_seed(3)).cuda()
+    orders = {3: torch.tensor([1, 1, 3, 2]).cuda(), 5: torch.tensor([0, 2]).cuda()}
+    steps = []
+    for model, run in gpu_versions(ls, dtype, monkeypatch):
+        def decode(m, prev=prev):
+            with torch.no_grad():
+                enc, state, out = m.encoder(src), {}, []
+                for t in range(prev.shape[1]):
+                    if t in orders:
+                        prev = prev[orders[t]]
+                        if t == 5:
+                            enc = m.encoder.reorder_encoder_out(enc, orders[t])
+                        m.decoder.reorder_incremental_state_scripting(state, orders[t])
+                    out.append(m.decoder(prev[:, : t + 1], enc, incremental_state=state)[0][:, -1])
+                return out
+        steps.append(run(decode))
+    for t, (ref, out, low) in enumerate(zip(*steps)):
+        check_kernel(out, ref, low, "step {}".format(t))

@@ -49,7 +49,7 @@ def test_kernel_matches_reference(dtype, B, T, H, D, parts):
     poison()
     out = ext.qkv_forward(x, b, H, parts, D**-0.5)
     poison()
-    dx, db = ext.qkv_backward(dy, D**-0.5)
+    dx, db = ext.qkv_backward(dy, D**-0.5, None)
     out64 = qkv_forward_reference(x.double(), b.double(), H, parts, D**-0.5)
     dx64, db64 = qkv_backward_reference(dy.double(), D**-0.5)
     out_l = qkv_forward_reference(x, b, H, parts, D**-0.5)

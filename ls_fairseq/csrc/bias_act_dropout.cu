@@ -3,7 +3,8 @@
 // Fuses: bias add, activation, dropout (mask drawn in-kernel from Philox).
 // Never written to memory: x + bias, act(x + bias). The keep-mask is stored as
 // one byte per element (LightSeq2: bias+activation+dropout fusion).
-// Backward recomputes h = x + bias from x:
+// Backward recomputes h = x + bias from x (no bias: zero, for relu's backward
+// from its output):
 //   dh = dout * mask / (1 - p) * act'(h), act'(h) = [h > 0] (relu) or
 //   Phi(h) + h * phi(h) (gelu, Phi/phi the normal cdf/pdf); dbias = column sum of dh,
 // fused into the same pass.
@@ -56,7 +57,12 @@ struct BadBackwardMap {
     bool keep[N];
     load<T, N>(dout + e, v[0]);
     load<T, N>(x + e, xv);
-    load<T, N>(bias + c, bv);
+    if (bias) {
+      load<T, N>(bias + c, bv);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) bv[i] = 0.f;
+    }
     if (mask) load_mask<N>(mask + e, keep);
 #pragma unroll
     for (int i = 0; i < N; ++i)
@@ -75,14 +81,13 @@ void bias_act_dropout_forward(DType dt, const void* x, const void* bias, void* o
 }
 
 void bias_act_dropout_backward(DType dt, const void* dout, const void* x, const void* bias, const uint8_t* mask,
-                               void* dx, void* dbias, float* partial, int64_t rows, int hidden, int activation,
+                               void* dx, GradOut dbias, float* partial, int64_t rows, int hidden, int activation,
                                float p, cudaStream_t stream) {
   LS_DISPATCH(dt, {
     BadBackwardMap<T> f{(const T*)dout, (const T*)x, (const T*)bias, mask, (T*)dx, hidden, activation,
                         p > 0.f ? 1.f / (1.f - p) : 1.f};
-    T* const out[1] = {(T*)dbias};
     const bool vec = aligned16(dout) && aligned16(x) && aligned16(bias) && aligned16(dx);
-    map_column_sum<T, 1>(f, vec, out, partial, rows, hidden, stream);
+    map_column_sum<T, 1>(f, vec, GradOuts<1>{{dbias}}, partial, rows, hidden, stream);
   })
 }
 

@@ -60,12 +60,11 @@ void bias_dropout_residual_forward(DType dt, const void* x, const void* bias, co
   })
 }
 
-void bias_dropout_residual_backward(DType dt, const void* dout, const uint8_t* mask, void* dx, void* dbias,
+void bias_dropout_residual_backward(DType dt, const void* dout, const uint8_t* mask, void* dx, GradOut dbias,
                                     float* partial, int64_t rows, int hidden, float p, cudaStream_t stream) {
   LS_DISPATCH(dt, {
     BdrBackwardMap<T> f{(const T*)dout, mask, (T*)dx, hidden, p > 0.f ? 1.f / (1.f - p) : 1.f};
-    T* const out[1] = {(T*)dbias};
-    map_column_sum<T, 1>(f, aligned16(dout) && aligned16(dx), out, partial, rows, hidden, stream);
+    map_column_sum<T, 1>(f, aligned16(dout) && aligned16(dx), GradOuts<1>{{dbias}}, partial, rows, hidden, stream);
   })
 }
 

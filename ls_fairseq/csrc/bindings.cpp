@@ -86,6 +86,20 @@ uint8_t* written_mask(const std::optional<Tensor>& given, const std::optional<Te
 
 const uint8_t* mask_ptr(const std::optional<Tensor>& mask) { return mask ? mask->data_ptr<uint8_t>() : nullptr; }
 
+// A parameter's gradient: `into` (checked against `like`'s dtype and device and
+// `shape`), which the kernel accumulates into, or a new tensor it writes
+// (zero-filled when the kernel writes only some rows).
+std::pair<Tensor, ls::GradOut> grad_out(const std::optional<Tensor>& into, const Tensor& like, at::IntArrayRef shape,
+                                        const char* name, bool zeroed = false) {
+  if (into) {
+    check_like(*into, like, name, "the gradient's input");
+    check_shape(*into, shape, name);
+    return {*into, ls::GradOut{into->data_ptr(), true}};
+  }
+  auto t = zeroed ? torch::zeros(shape, like.options()) : torch::empty(shape, like.options());
+  return {t, ls::GradOut{t.data_ptr(), false}};
+}
+
 int hidden_of(const Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, name, " must have a non-empty last dimension");
   return int(x.size(-1));
@@ -113,7 +127,9 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_forward(const Tensor& x, const Ten
 }
 
 std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
-                                                       const Tensor& mean, const Tensor& rstd) {
+                                                       const Tensor& mean, const Tensor& rstd,
+                                                       const std::optional<Tensor>& dweight_into,
+                                                       const std::optional<Tensor>& dbias_into) {
   check(x, "x");
   const int hidden = hidden_of(x, "x");
   check_like(dy, x, "dy", "x");
@@ -128,12 +144,12 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const T
   }
   const c10::cuda::CUDAGuard guard(x.device());
   auto dx = torch::empty_like(x);
-  auto dweight = torch::empty_like(weight);
-  auto dbias = torch::empty_like(weight);
+  auto [dweight, dweight_out] = grad_out(dweight_into, x, {hidden}, "dweight_into");
+  auto [dbias, dbias_out] = grad_out(dbias_into, x, {hidden}, "dbias_into");
   auto partial = torch::empty({2 * int64_t(ls::column_chunks(rows)) * hidden}, x.options().dtype(at::kFloat));
   ls::layer_norm_backward(dtype_of(x, "x"), dy.data_ptr(), x.data_ptr(), weight.data_ptr(), mean.data_ptr<float>(),
-                          rstd.data_ptr<float>(), dx.data_ptr(), dweight.data_ptr(), dbias.data_ptr(),
-                          partial.data_ptr<float>(), rows, hidden, stream());
+                          rstd.data_ptr<float>(), dx.data_ptr(), dweight_out, dbias_out, partial.data_ptr<float>(),
+                          rows, hidden, stream());
   CHECK_CUDA_OK();
   return {dx, dweight, dbias};
 }
@@ -161,17 +177,17 @@ std::tuple<Tensor, std::optional<Tensor>> bias_dropout_residual_forward(const Te
 }
 
 std::tuple<Tensor, Tensor> bias_dropout_residual_backward(const Tensor& dout, const std::optional<Tensor>& mask,
-                                                          double p) {
+                                                          double p, const std::optional<Tensor>& dbias_into) {
   check(dout, "dout");
   const int hidden = hidden_of(dout, "dout");
   check_mask(mask, dout, "mask");
   const c10::cuda::CUDAGuard guard(dout.device());
   const int64_t rows = dout.numel() / hidden;
   auto dx = torch::empty_like(dout);
-  auto dbias = torch::empty({hidden}, dout.options());
+  auto [dbias, dbias_out] = grad_out(dbias_into, dout, {hidden}, "dbias_into");
   auto partial = torch::empty({ls::column_chunks(rows) * int64_t(hidden)}, dout.options().dtype(at::kFloat));
-  ls::bias_dropout_residual_backward(dtype_of(dout, "dout"), dout.data_ptr(), mask_ptr(mask), dx.data_ptr(),
-                                     dbias.data_ptr(), partial.data_ptr<float>(), rows, hidden, float(p), stream());
+  ls::bias_dropout_residual_backward(dtype_of(dout, "dout"), dout.data_ptr(), mask_ptr(mask), dx.data_ptr(), dbias_out,
+                                     partial.data_ptr<float>(), rows, hidden, float(p), stream());
   CHECK_CUDA_OK();
   return {dx, dbias};
 }
@@ -202,25 +218,29 @@ std::tuple<Tensor, std::optional<Tensor>> bias_act_dropout_forward(const Tensor&
   return {out, mask};
 }
 
-std::tuple<Tensor, Tensor> bias_act_dropout_backward(const Tensor& dout, const Tensor& x, const Tensor& bias,
+std::tuple<Tensor, Tensor> bias_act_dropout_backward(const Tensor& dout, const Tensor& x,
+                                                     const std::optional<Tensor>& bias,
                                                      const std::optional<Tensor>& mask, const std::string& activation,
-                                                     double p) {
+                                                     double p, const std::optional<Tensor>& dbias_into) {
   check(x, "x");
   const int hidden = hidden_of(x, "x");
   check_like(dout, x, "dout", "x");
   check_shape(dout, x.sizes(), "dout");
-  check_like(bias, x, "bias", "x");
-  check_shape(bias, {hidden}, "bias");
+  if (bias) {  // none: zero (relu's backward from its output)
+    check_like(*bias, x, "bias", "x");
+    check_shape(*bias, {hidden}, "bias");
+  }
   check_mask(mask, x, "mask");
   const int act = activation_id(activation);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.numel() / hidden;
   auto dx = torch::empty_like(x);
-  auto dbias = torch::empty_like(bias);
+  auto [dbias, dbias_out] = grad_out(dbias_into, x, {hidden}, "dbias_into");
   auto partial = torch::empty({ls::column_chunks(rows) * int64_t(hidden)}, x.options().dtype(at::kFloat));
-  ls::bias_act_dropout_backward(dtype_of(x, "x"), dout.data_ptr(), x.data_ptr(), bias.data_ptr(), mask_ptr(mask),
-                                dx.data_ptr(), dbias.data_ptr(), partial.data_ptr<float>(), rows, hidden, act,
-                                float(p), stream());
+  ls::bias_act_dropout_backward(dtype_of(x, "x"), dout.data_ptr(), x.data_ptr(), bias ? bias->data_ptr() : nullptr,
+                                mask_ptr(mask),
+                                dx.data_ptr(), dbias_out, partial.data_ptr<float>(), rows, hidden, act, float(p),
+                                stream());
   CHECK_CUDA_OK();
   return {dx, dbias};
 }
@@ -284,16 +304,17 @@ Tensor qkv_forward(const Tensor& x, const Tensor& bias, int64_t num_heads, int64
   return out;
 }
 
-std::tuple<Tensor, Tensor> qkv_backward(const Tensor& dy, double first_scale) {
+std::tuple<Tensor, Tensor> qkv_backward(const Tensor& dy, double first_scale,
+                                        const std::optional<Tensor>& dbias_into) {
   check(dy, "dy");
   TORCH_CHECK(dy.dim() == 5, "dy must be [parts, batch, heads, len, d_head], got ", dy.sizes());
   const int64_t P = dy.size(0), B = dy.size(1), H = dy.size(2), T = dy.size(3), D = dy.size(4);
   const c10::cuda::CUDAGuard guard(dy.device());
   auto dx = torch::empty({B, T, P * H * D}, dy.options());
-  auto dbias = torch::empty({P * H * D}, dy.options());
+  auto [dbias, dbias_out] = grad_out(dbias_into, dy, {P * H * D}, "dbias_into");
   auto partial = torch::empty({ls::column_chunks(B * T) * P * H * D}, dy.options().dtype(at::kFloat));
-  ls::qkv_backward(dtype_of(dy, "dy"), dy.data_ptr(), dx.data_ptr(), dbias.data_ptr(), partial.data_ptr<float>(),
-                   int(B), int(T), int(P), int(H), int(D), float(first_scale), stream());
+  ls::qkv_backward(dtype_of(dy, "dy"), dy.data_ptr(), dx.data_ptr(), dbias_out, partial.data_ptr<float>(), int(B),
+                   int(T), int(P), int(H), int(D), float(first_scale), stream());
   CHECK_CUDA_OK();
   return {dx, dbias};
 }
@@ -333,12 +354,13 @@ std::tuple<Tensor, std::optional<Tensor>> embedding_forward(const Tensor& tokens
 }
 
 Tensor table_gradient(const Tensor& dout, const std::optional<Tensor>& mask, const Tensor& ids, int64_t rows,
-                      double scale, int64_t padding_idx, double p) {
+                      double scale, int64_t padding_idx, double p, const std::optional<Tensor>& into,
+                      const char* name) {
   const int64_t dim = dout.size(-1);
-  auto dtable = torch::zeros({rows, dim}, dout.options());
+  auto [dtable, dtable_out] = grad_out(into, dout, {rows, dim}, name, /*zeroed=*/true);
   auto [sorted, order] = ids.reshape({-1}).sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
   ls::embedding_backward(dtype_of(dout, "dout"), dout.data_ptr(), mask_ptr(mask), sorted.data_ptr<int64_t>(),
-                         order.data_ptr<int64_t>(), dtable.data_ptr(), ids.numel(), int(dim), float(scale),
+                         order.data_ptr<int64_t>(), dtable_out, ids.numel(), int(dim), float(scale),
                          int(padding_idx), float(p), stream());
   CHECK_CUDA_OK();
   return dtable;
@@ -348,15 +370,18 @@ std::tuple<Tensor, std::optional<Tensor>> embedding_backward(const Tensor& dout,
                                                              const Tensor& positions,
                                                              const std::optional<Tensor>& mask, double scale,
                                                              int64_t padding_idx, double p, int64_t num_embeddings,
-                                                             int64_t num_positions) {
+                                                             int64_t num_positions,
+                                                             const std::optional<Tensor>& dweight_into,
+                                                             const std::optional<Tensor>& dpos_into) {
   check(dout, "dout");
   check_ids(tokens, "tokens");
   check_ids(positions, "positions");
   check_mask(mask, dout, "mask");
   const c10::cuda::CUDAGuard guard(dout.device());
-  auto dweight = table_gradient(dout, mask, tokens, num_embeddings, scale, padding_idx, p);
+  auto dweight = table_gradient(dout, mask, tokens, num_embeddings, scale, padding_idx, p, dweight_into, "dweight_into");
   std::optional<Tensor> dpos;
-  if (num_positions > 0) dpos = table_gradient(dout, mask, positions, num_positions, 1.0, padding_idx, p);
+  if (num_positions > 0)
+    dpos = table_gradient(dout, mask, positions, num_positions, 1.0, padding_idx, p, dpos_into, "dpos_into");
   return {dweight, dpos};
 }
 

@@ -6,7 +6,9 @@
 // Backward: dtable[t] = sum over tokens i with token_i = t != pad of
 // scale * dout[i] * mask / (1 - p), accumulated in fp32 registers without
 // atomics: the ids are sorted (stably) beforehand and one block walks each run
-// of equal ids in order, so the result is deterministic. Padding rows stay zero.
+// of equal ids in order, so the result is deterministic. Padding rows and ids
+// absent from the batch are not written: the caller zeroes the table, or
+// accumulates into a gradient (ls_adam's workspace) that holds what it held.
 #include "common.cuh"
 #include "dropout_map.cuh"
 
@@ -43,8 +45,8 @@ struct EmbForward {
 template <typename T>
 __global__ void embedding_backward_kernel(const T* __restrict__ dout, const uint8_t* __restrict__ mask,
                                           const int64_t* __restrict__ sorted_ids, const int64_t* __restrict__ order,
-                                          T* __restrict__ dtable, int64_t n, int dim, float scale, int padding_idx,
-                                          float p) {
+                                          T* __restrict__ dtable, bool accumulate, int64_t n, int dim, float scale,
+                                          int padding_idx, float p) {
   const int64_t k = blockIdx.x;
   const int64_t id = sorted_ids[k];
   if (id == padding_idx || (k > 0 && sorted_ids[k - 1] == id)) return;  // one block per run of equal ids
@@ -55,7 +57,8 @@ __global__ void embedding_backward_kernel(const T* __restrict__ dout, const uint
       const int64_t e = order[kk] * dim + c;
       if (!mask || mask[e]) acc += to_f(dout[e]) * drop;
     }
-    dtable[id * dim + c] = from_f<T>(acc * scale);
+    T* const out = dtable + id * dim + c;
+    *out = from_f<T>(accumulate ? to_f(*out) + acc * scale : acc * scale);
   }
 }
 
@@ -70,13 +73,13 @@ void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions
 }
 
 void embedding_backward(DType dt, const void* dout, const uint8_t* mask, const int64_t* sorted_ids,
-                        const int64_t* order, void* dtable, int64_t n, int dim, float scale, int padding_idx, float p,
-                        cudaStream_t stream) {
+                        const int64_t* order, GradOut dtable, int64_t n, int dim, float scale, int padding_idx,
+                        float p, cudaStream_t stream) {
   if (n == 0) return;
   const int threads = dim < 256 ? (dim + 31) / 32 * 32 : 256;
   LS_DISPATCH(dt, {
     embedding_backward_kernel<T><<<dim3(n, ceil_div(dim, threads)), threads, 0, stream>>>(
-        (const T*)dout, mask, sorted_ids, order, (T*)dtable, n, dim, scale, padding_idx, p);
+        (const T*)dout, mask, sorted_ids, order, (T*)dtable.ptr, dtable.accumulate, n, dim, scale, padding_idx, p);
   })
 }
 

@@ -21,25 +21,33 @@ struct RngState {
   const uint8_t* given;
 };
 
+// A parameter's gradient a backward kernel produces: written, or, with
+// `accumulate`, added to what `ptr` holds (the gradient kept in ls_adam's
+// workspace, accumulated in place: no temporary, no separate add).
+struct GradOut {
+  void* ptr;
+  bool accumulate;
+};
+
 // layer_norm.cu
 void layer_norm_forward(DType dt, const void* x, const void* gamma, const void* beta, void* y, float* mean, float* rstd,
                         int64_t rows, int hidden, float eps, cudaStream_t stream);
 void layer_norm_backward(DType dt, const void* dy, const void* x, const void* gamma, const float* mean,
-                         const float* rstd, void* dx, void* dgamma, void* dbeta, float* partial, int64_t rows,
+                         const float* rstd, void* dx, GradOut dgamma, GradOut dbeta, float* partial, int64_t rows,
                          int hidden, cudaStream_t stream);
 
 // bias_dropout_residual.cu
 void bias_dropout_residual_forward(DType dt, const void* x, const void* bias, const void* residual, void* out,
                                    uint8_t* mask, int64_t rows, int hidden, float p, RngState rng,
                                    cudaStream_t stream);
-void bias_dropout_residual_backward(DType dt, const void* dout, const uint8_t* mask, void* dx, void* dbias,
+void bias_dropout_residual_backward(DType dt, const void* dout, const uint8_t* mask, void* dx, GradOut dbias,
                                     float* partial, int64_t rows, int hidden, float p, cudaStream_t stream);
 
-// bias_act_dropout.cu; activation 0 = relu, 1 = gelu
+// bias_act_dropout.cu; activation 0 = relu, 1 = gelu; backward's bias may be nullptr (zero)
 void bias_act_dropout_forward(DType dt, const void* x, const void* bias, void* out, uint8_t* mask, int64_t rows,
                               int hidden, int activation, float p, RngState rng, cudaStream_t stream);
 void bias_act_dropout_backward(DType dt, const void* dout, const void* x, const void* bias, const uint8_t* mask,
-                               void* dx, void* dbias, float* partial, int64_t rows, int hidden, int activation,
+                               void* dx, GradOut dbias, float* partial, int64_t rows, int hidden, int activation,
                                float p, cudaStream_t stream);
 
 // Row chunks of the two-stage column reductions behind the bias (and gamma/beta)
@@ -63,7 +71,7 @@ void softmax_backward(DType dt, const void* dout, const void* probs, const uint8
 // qkv.cu: x [B, T, parts * d] + bias -> out [parts, B, heads, T, d_head]
 void qkv_forward(DType dt, const void* x, const void* bias, void* out, int batch, int len, int parts, int heads,
                  int head_dim, float first_scale, cudaStream_t stream);
-void qkv_backward(DType dt, const void* dy, void* dx, void* dbias, float* partial, int batch, int len, int parts,
+void qkv_backward(DType dt, const void* dy, void* dx, GradOut dbias, float* partial, int batch, int len, int parts,
                   int heads, int head_dim, float first_scale, cudaStream_t stream);
 
 // embedding.cu: tokens/positions [n] (int64); pos_weight the learned or sinusoid table
@@ -72,8 +80,8 @@ void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions
                        int padding_idx, float p, RngState rng, cudaStream_t stream);
 // sorted_ids: token (or position) ids sorted stably; order: the token index of each sorted entry
 void embedding_backward(DType dt, const void* dout, const uint8_t* mask, const int64_t* sorted_ids,
-                        const int64_t* order, void* dtable, int64_t n, int dim, float scale, int padding_idx, float p,
-                        cudaStream_t stream);
+                        const int64_t* order, GradOut dtable, int64_t n, int dim, float scale, int padding_idx,
+                        float p, cudaStream_t stream);
 
 // cross_entropy.cu: logits [n, vocab]
 void cross_entropy_forward(DType dt, const void* logits, const int64_t* target, float* loss, float* nll, float* lse,

@@ -184,7 +184,7 @@ void layer_norm_forward(DType dt, const void* x, const void* gamma, const void* 
 }
 
 void layer_norm_backward(DType dt, const void* dy, const void* x, const void* gamma, const float* mean,
-                         const float* rstd, void* dx, void* dgamma, void* dbeta, float* partial, int64_t rows,
+                         const float* rstd, void* dx, GradOut dgamma, GradOut dbeta, float* partial, int64_t rows,
                          int hidden, cudaStream_t stream) {
   LS_DISPATCH(dt, {
     const bool vec = hidden % kVec<T> == 0 && aligned16(dy) && aligned16(x) && aligned16(gamma) && aligned16(dx);
@@ -198,9 +198,8 @@ void layer_norm_backward(DType dt, const void* dy, const void* x, const void* ga
       else
         by_row_length<T, 1>(hidden, rows, launch);
     }
-    T* const out[2] = {(T*)dgamma, (T*)dbeta};
-    map_column_sum<T, 2>(LnParamMap<T>{(const T*)dy, (const T*)x, mean, rstd, hidden}, vec, out, partial, rows, hidden,
-                         stream);
+    map_column_sum<T, 2>(LnParamMap<T>{(const T*)dy, (const T*)x, mean, rstd, hidden}, vec,
+                         GradOuts<2>{{dgamma, dbeta}}, partial, rows, hidden, stream);
   })
 }
 

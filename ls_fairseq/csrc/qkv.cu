@@ -89,13 +89,12 @@ void qkv_forward(DType dt, const void* x, const void* bias, void* out, int batch
   })
 }
 
-void qkv_backward(DType dt, const void* dy, void* dx, void* dbias, float* partial, int batch, int len, int parts,
+void qkv_backward(DType dt, const void* dy, void* dx, GradOut dbias, float* partial, int batch, int len, int parts,
                   int heads, int head_dim, float first_scale, cudaStream_t stream) {
   HeadLayout L{batch, len, parts, heads, head_dim};
   LS_DISPATCH(dt, {
-    T* const out[1] = {(T*)dbias};
     const bool vec = head_dim % kVec<T> == 0 && aligned16(dy) && aligned16(dx);
-    map_column_sum<T, 1>(QkvBackwardMap<T>{(const T*)dy, (T*)dx, L, first_scale}, vec, out, partial,
+    map_column_sum<T, 1>(QkvBackwardMap<T>{(const T*)dy, (T*)dx, L, first_scale}, vec, GradOuts<1>{{dbias}}, partial,
                          int64_t(batch) * len, parts * heads * head_dim, stream);
   })
 }

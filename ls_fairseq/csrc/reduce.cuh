@@ -1,8 +1,9 @@
 // Two-stage deterministic column reduction fused with an elementwise map:
 // stage one evaluates K values per element of a [rows, cols] matrix with f (which
 // may also store what it computes, e.g. the op's dx), and writes K fp32 partial
-// sums per (row chunk, column); stage two adds the chunks up in a fixed order and
-// writes the K column sums in the storage type. Used by every bias gradient and
+// sums per (row chunk, column); stage two (one launch for all K) adds the chunks
+// up in a fixed order and writes the K column sums in the storage type, or adds
+// them to the gradients there (GradOut::accumulate), rounding once. Used by every bias gradient and
 // by LayerNorm's gamma/beta gradients, so dx is written once and never re-read.
 // A thread handles V adjacent columns (16-byte accesses when the caller allows),
 // a block 32 * V columns by 8 rows at a time.
@@ -48,19 +49,28 @@ __global__ void map_column_sum_kernel(F f, float* __restrict__ partial, int64_t 
   }
 }
 
-template <typename T>
-__global__ void column_sum_finish_kernel(const float* __restrict__ partial, int chunks, int cols, T* __restrict__ out) {
+template <int K>
+struct GradOuts {
+  GradOut g[K];
+};
+
+template <typename T, int K>
+__global__ void column_sum_finish_kernel(const float* __restrict__ partial, int chunks, int cols, GradOuts<K> out) {
   const int col = blockIdx.x * blockDim.x + threadIdx.x;
   if (col >= cols) return;
+  const float* part = partial + int64_t(blockIdx.y) * chunks * cols;
   float s = 0.f;
-  for (int c = 0; c < chunks; ++c) s += partial[int64_t(c) * cols + col];
-  out[col] = from_f<T>(s);
+  for (int c = 0; c < chunks; ++c) s += part[int64_t(c) * cols + col];
+  const GradOut g = out.g[blockIdx.y];
+  T* o = static_cast<T*>(g.ptr);
+  if (g.accumulate) s += to_f(o[col]);
+  o[col] = from_f<T>(s);
 }
 
 // out[k][col] = sum over rows of the k-th value f gives for (row, col); partial holds
 // K x column_chunks(rows) x cols floats (the K sums' partials one after the other).
 template <typename T, int K, typename F>
-void map_column_sum(F f, bool vectorizable, T* const (&out)[K], float* partial, int64_t rows, int cols,
+void map_column_sum(F f, bool vectorizable, const GradOuts<K>& out, float* partial, int64_t rows, int cols,
                     cudaStream_t stream) {
   const int chunks = column_chunks(rows);
   const int64_t chunk_rows = (rows + chunks - 1) / chunks;
@@ -71,9 +81,7 @@ void map_column_sum(F f, bool vectorizable, T* const (&out)[K], float* partial, 
   else
     map_column_sum_kernel<K, 1><<<dim3(ceil_div(cols, 32), chunks), dim3(32, kRowTile), 0, stream>>>(
         f, partial, rows, cols, chunk_rows);
-  for (int k = 0; k < K; ++k)
-    column_sum_finish_kernel<T><<<ceil_div(cols, 256), 256, 0, stream>>>(partial + int64_t(k) * chunks * cols, chunks,
-                                                                         cols, out[k]);
+  column_sum_finish_kernel<T, K><<<dim3(ceil_div(cols, 256), K), 256, 0, stream>>>(partial, chunks, cols, out);
 }
 
 }  // namespace ls

@@ -51,12 +51,12 @@ def bias_act_dropout_forward_reference(x, bias, activation, p, mask):
     return y.to(x.dtype), mask
 
 
-def bias_act_dropout_backward_reference(dout, x, bias, mask, activation, p):
-    # dh = dout * mask / (1 - p) * act'(x + bias); dx = dh; dbias = sum over tokens of dh
-    h = dispatch.upcast(x) + dispatch.upcast(bias)
+def bias_act_dropout_backward_reference(dout, x, bias, mask, activation, p, dbias_into=None):
+    # dh = dout * mask / (1 - p) * act'(x + bias); dx = dh; dbias = sum over tokens of dh (bias None: zero)
+    h = dispatch.upcast(x) if bias is None else dispatch.upcast(x) + dispatch.upcast(bias)
     dh = dispatch.apply_dropout(dispatch.upcast(dout), mask, p) * _act_grad(h, activation)
     dbias = dh.reshape(-1, dh.shape[-1]).sum(0)
-    return dh.to(x.dtype), dbias.to(x.dtype)
+    return dh.to(x.dtype), dispatch.gradient(dbias, x.dtype, dbias_into)
 
 
 class BiasActDropoutFunction(torch.autograd.Function):
@@ -67,20 +67,21 @@ class BiasActDropoutFunction(torch.autograd.Function):
         )
         x = x.contiguous()
         out, mask = fwd(x, bias, activation, p, mask)
-        ctx.bwd, ctx.activation, ctx.p = bwd, activation, p
+        ctx.bwd, ctx.activation, ctx.p, ctx.bias = bwd, activation, p, bias
         ctx.from_output = activation == "relu"
-        ctx.save_for_backward(*((out,) if ctx.from_output else (x, bias, mask)))
+        ctx.save_for_backward(*((out,) if ctx.from_output else (x, mask)))
         return out, mask
 
     @staticmethod
     def backward(ctx, dout, _dmask):
+        into = dispatch.grad_in_place(ctx.bias)
         if ctx.from_output:  # relu'(x + bias) * keep = [out > 0]: the backward with x = out, bias = 0, no mask
             (out,) = ctx.saved_tensors
-            dx, dbias = ctx.bwd(dout.contiguous(), out, out.new_zeros(out.shape[-1]), None, "relu", ctx.p)
+            dx, dbias = ctx.bwd(dout.contiguous(), out, None, None, "relu", ctx.p, into)
         else:
-            x, bias, mask = ctx.saved_tensors
-            dx, dbias = ctx.bwd(dout.contiguous(), x, bias, mask, ctx.activation, ctx.p)
-        return dx, dbias, None, None, None
+            x, mask = ctx.saved_tensors
+            dx, dbias = ctx.bwd(dout.contiguous(), x, ctx.bias, mask, ctx.activation, ctx.p, into)
+        return dx, dispatch.for_autograd(dbias, into), None, None, None
 
 
 def bias_act_dropout(x, bias, activation="relu", p=0.0, training=True, mask=None):

@@ -15,11 +15,11 @@ def bias_dropout_residual_forward_reference(x, bias, residual, p, mask):
     return y.to(x.dtype), mask
 
 
-def bias_dropout_residual_backward_reference(dout, mask, p):
+def bias_dropout_residual_backward_reference(dout, mask, p, dbias_into=None):
     # d residual = dout; d x = dout * mask / (1 - p); d bias = sum over tokens of d x
     dx = dispatch.apply_dropout(dispatch.upcast(dout), mask, p)
     dbias = dx.reshape(-1, dx.shape[-1]).sum(0)
-    return dx.to(dout.dtype), dbias.to(dout.dtype)
+    return dx.to(dout.dtype), dispatch.gradient(dbias, dout.dtype, dbias_into)
 
 
 class BiasDropoutResidualFunction(torch.autograd.Function):
@@ -32,7 +32,7 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
             bias_dropout_residual_backward_reference,
         )
         out, mask = fwd(x.contiguous(), bias, residual.contiguous(), p, mask)
-        ctx.bwd, ctx.p = bwd, p
+        ctx.bwd, ctx.p, ctx.bias = bwd, p, bias
         ctx.save_for_backward(mask)
         return out, mask
 
@@ -40,8 +40,9 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
     def backward(ctx, dout, _dmask):
         (mask,) = ctx.saved_tensors
         dout = dout.contiguous()
-        dx, dbias = ctx.bwd(dout, mask, ctx.p)
-        return dx, dbias, dout, None, None
+        into = dispatch.grad_in_place(ctx.bias)
+        dx, dbias = ctx.bwd(dout, mask, ctx.p, into)
+        return dx, dispatch.for_autograd(dbias, into), dout, None, None
 
 
 def bias_dropout_residual(x, bias, residual, p=0.0, training=True, mask=None):

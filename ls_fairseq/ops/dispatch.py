@@ -12,6 +12,7 @@ import logging
 import os
 
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,50 @@ def implementation(op, tensor, reference_forward, reference_backward):
         ext = _load_extension()
         return getattr(ext, op + "_forward"), getattr(ext, op + "_backward")
     return reference_forward, reference_backward
+
+
+IN_WORKSPACE = "ls_grad_in_workspace"  # the attribute ls_adam sets on the parameters it holds
+
+
+def grad_in_place(param):
+    """``param.grad`` when a backward should add ``param``'s gradient to it in place, else None.
+
+    LightSeq2's layers write parameter gradients straight into the gradient workspace.
+    autograd would compute each into a new tensor and then add it to the existing
+    ``.grad`` (ls_adam keeps every gradient alive as a view of its workspace): one more
+    kernel, one more temporary and one more autograd node per parameter and step. So
+    for parameters that ls_adam holds (it sets ``IN_WORKSPACE`` on them; ``.backward()``
+    is then the only way their gradients are taken in training), whose ``.grad`` exists
+    with the parameter's dtype and layout, and while torch.distributed is not initialised
+    (DistributedDataParallel learns that a gradient is ready from autograd's accumulation
+    of it), the op's backward accumulates into ``.grad`` and gives autograd None.
+    Otherwise the gradient goes back to autograd as usual, so ``torch.autograd.grad``
+    and other optimizers see nothing different.
+    """
+    grad = param.grad
+    if (
+        getattr(param, IN_WORKSPACE, False)
+        and grad is not None
+        and grad.dtype == param.dtype
+        and grad.shape == param.shape
+        and grad.is_contiguous()
+        and not (dist.is_available() and dist.is_initialized())
+    ):
+        return grad
+    return None
+
+
+def for_autograd(grad, into):
+    """What a backward returns for a parameter: None when its gradient went into ``into``."""
+    return None if into is not None else grad
+
+
+def gradient(value, dtype, into=None):
+    """A parameter gradient computed in fp32 (or fp64) ``value``: in ``dtype``, or added to
+    ``into`` in place (rounding once, as the kernels do) and ``into`` returned."""
+    if into is None:
+        return value.to(dtype)
+    return into.copy_(upcast(into) + value)
 
 
 def upcast(t):

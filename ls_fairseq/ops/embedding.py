@@ -65,7 +65,8 @@ def embedding_forward_reference(tokens, positions, weight, pos_weight, scale, pa
     return dispatch.apply_dropout(x, mask, p).to(weight.dtype), mask
 
 
-def embedding_backward_reference(dout, tokens, positions, mask, scale, padding_idx, p, num_embeddings, num_positions):
+def embedding_backward_reference(dout, tokens, positions, mask, scale, padding_idx, p, num_embeddings, num_positions,
+                                 dweight_into=None, dpos_into=None):
     # d table[t] = sum over (b, i) with tokens[b, i] = t != pad of scale * dropout'(dout)[b, i]
     # d pos_table[q] likewise without the scale; accumulated in fp32
     d = dispatch.apply_dropout(dispatch.upcast(dout), mask, p)
@@ -77,8 +78,8 @@ def embedding_backward_reference(dout, tokens, positions, mask, scale, padding_i
     if num_positions > 0:
         dpos = torch.zeros(num_positions, d.shape[-1], dtype=d.dtype, device=d.device)
         dpos.index_add_(0, positions.reshape(-1)[keep], d)
-        dpos = dpos.to(dout.dtype)
-    return dweight.to(dout.dtype), dpos
+        dpos = dispatch.gradient(dpos, dout.dtype, dpos_into)
+    return dispatch.gradient(dweight, dout.dtype, dweight_into), dpos
 
 
 class EmbeddingFunction(torch.autograd.Function):
@@ -90,7 +91,7 @@ class EmbeddingFunction(torch.autograd.Function):
         if fwd is not embedding_forward_reference:
             fwd = embedding_forward_kernel
         out, mask = fwd(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask)
-        ctx.bwd = bwd
+        ctx.bwd, ctx.weight, ctx.pos_weight = bwd, weight, pos_weight
         ctx.args = (scale, padding_idx, p, weight.shape[0], 0 if pos_weight is None else pos_weight.shape[0])
         ctx.save_for_backward(tokens, positions, mask)
         return out, mask
@@ -98,8 +99,10 @@ class EmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dmask):
         tokens, positions, mask = ctx.saved_tensors
-        dweight, dpos = ctx.bwd(dout.contiguous(), tokens, positions, mask, *ctx.args)
-        return None, None, dweight, dpos, None, None, None, None
+        into = dispatch.grad_in_place(ctx.weight)
+        pos_into = None if ctx.pos_weight is None else dispatch.grad_in_place(ctx.pos_weight)
+        dweight, dpos = ctx.bwd(dout.contiguous(), tokens, positions, mask, *ctx.args, into, pos_into)
+        return None, None, dispatch.for_autograd(dweight, into), dispatch.for_autograd(dpos, pos_into), None, None, None, None
 
 
 def embedding(tokens, positions, weight, pos_weight, scale, padding_idx, p=0.0, training=True, mask=None):

@@ -24,7 +24,7 @@ def layer_norm_forward_reference(x, weight, bias, eps):
     return y.to(x.dtype), mean.squeeze(-1), rstd.squeeze(-1)
 
 
-def layer_norm_backward_reference(dy, x, weight, mean, rstd):
+def layer_norm_backward_reference(dy, x, weight, mean, rstd, dweight_into=None, dbias_into=None):
     # xhat = (x - mean) * rstd, g = dy * gamma
     # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (both means in one pass)
     # dgamma = sum_tokens dy * xhat, dbeta = sum_tokens dy
@@ -35,7 +35,11 @@ def layer_norm_backward_reference(dy, x, weight, mean, rstd):
     dx = rstd.reshape(-1, 1) * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
     dweight = (dyf * xhat).sum(0)
     dbias = dyf.sum(0)
-    return dx.reshape(x.shape).to(x.dtype), dweight.to(weight.dtype), dbias.to(weight.dtype)
+    return (
+        dx.reshape(x.shape).to(x.dtype),
+        dispatch.gradient(dweight, weight.dtype, dweight_into),
+        dispatch.gradient(dbias, weight.dtype, dbias_into),
+    )
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -46,15 +50,16 @@ class LayerNormFunction(torch.autograd.Function):
         )
         x = x.contiguous()
         y, mean, rstd = fwd(x, weight, bias, eps)
-        ctx.bwd = bwd
+        ctx.bwd, ctx.bias = bwd, bias
         ctx.save_for_backward(x, weight, mean, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
-        dx, dweight, dbias = ctx.bwd(dy.contiguous(), x, weight, mean, rstd)
-        return dx, dweight, dbias, None
+        into = dispatch.grad_in_place(weight), dispatch.grad_in_place(ctx.bias)
+        dx, dweight, dbias = ctx.bwd(dy.contiguous(), x, weight, mean, rstd, *into)
+        return dx, dispatch.for_autograd(dweight, into[0]), dispatch.for_autograd(dbias, into[1]), None
 
 
 def layer_norm(x, weight, bias, eps=1e-5):

@@ -23,26 +23,27 @@ def qkv_forward_reference(x, bias, num_heads, num_parts, first_scale):
     return (y * scale).to(x.dtype).contiguous()
 
 
-def qkv_backward_reference(dy, first_scale):
+def qkv_backward_reference(dy, first_scale, dbias_into=None):
     # dy [parts, B, heads, T, d_head] -> dx [B, T, parts * d]; dbias = sum over B, T of dx
     P, B, H, T, D = dy.shape
     scale = torch.ones(P, 1, 1, 1, 1, device=dy.device)
     scale[0] = first_scale
     dx = (dispatch.upcast(dy) * scale).permute(1, 3, 0, 2, 4).reshape(B, T, P * H * D)
-    return dx.to(dy.dtype), dx.reshape(-1, P * H * D).sum(0).to(dy.dtype)
+    return dx.to(dy.dtype), dispatch.gradient(dx.reshape(-1, P * H * D).sum(0), dy.dtype, dbias_into)
 
 
 class QKVFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, num_heads, num_parts, first_scale):
         fwd, bwd = dispatch.implementation("qkv", x, qkv_forward_reference, qkv_backward_reference)
-        ctx.bwd, ctx.first_scale = bwd, first_scale
+        ctx.bwd, ctx.first_scale, ctx.bias = bwd, first_scale, bias
         return fwd(x.contiguous(), bias, num_heads, num_parts, first_scale)
 
     @staticmethod
     def backward(ctx, dy):
-        dx, dbias = ctx.bwd(dy.contiguous(), ctx.first_scale)
-        return dx, dbias, None, None, None
+        into = dispatch.grad_in_place(ctx.bias)
+        dx, dbias = ctx.bwd(dy.contiguous(), ctx.first_scale, into)
+        return dx, dispatch.for_autograd(dbias, into), None, None, None
 
 
 def split_heads(x, bias, num_heads, num_parts, first_scale=1.0):

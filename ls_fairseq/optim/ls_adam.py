@@ -25,7 +25,7 @@ from fairseq.optim import FairseqOptimizer, register_optimizer
 from omegaconf import II, OmegaConf
 
 from ls_fairseq import ops
-from ls_fairseq.ops.linear import IN_WORKSPACE
+from ls_fairseq.ops.dispatch import IN_WORKSPACE
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Workspace:
                     self.grad[off : off + p.numel()].view_as(p).copy_(p.grad)
         self.attach_grads()
         for p in params:
-            setattr(p, IN_WORKSPACE, True)  # ops.linear may accumulate into its gradient in place
+            setattr(p, IN_WORKSPACE, True)  # the ops may accumulate into its gradient in place
 
     def attach_grads(self):
         for p, off in zip(self.params, self.offsets):
