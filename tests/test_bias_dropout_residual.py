@@ -82,6 +82,7 @@ def test_kernel_dropout_rate_seed_and_given_mask(hidden):
     flat = mask_a.flatten()
     assert abs((flat[1:] == flat[:-1]).float().mean().item() - 0.58) < 0.003
     given_mask = keep_mask(x.shape, 0.3, "cuda")
+    x = torch.rand_like(x) + 1.0  # no zeros: an element is zero exactly where it is dropped
     given, _ = ext.bias_dropout_residual_forward(x, b, r, 0.3, given_mask)
     wrong = (given == 0) != (given_mask == 0)
     assert not wrong.any(), "{} elements ignore the given mask, first at {}".format(int(wrong.sum()), wrong.nonzero()[:4].tolist())

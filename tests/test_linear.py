@@ -90,3 +90,25 @@ def test_other_weights_and_autograd_grad_see_plain_autograd():
     (g,) = torch.autograd.grad(ops.linear(x, w).sum(), [w])
     assert_close(g, torch.ones(4, 3, dtype=torch.float64).t() @ x, rtol=1e-12, atol=1e-12)
     assert not w.grad.any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_heads_input_merges_inside_and_keeps_only_the_unmerged_output(device, in_place):
+    """linear(ctx, W, heads=True) = merge_heads(ctx) @ W^T with the same gradients, and the only
+    activation it keeps is ctx itself (which the attention keeps anyway), not a merged copy."""
+    ctx = torch.randn(2, 4, 5, 3, dtype=torch.float64, device=device, requires_grad=True)
+    w = torch.randn(7, 12, dtype=torch.float64, device=device, requires_grad=True)
+    if in_place:
+        setattr(w, IN_WORKSPACE, True)
+        w.grad = torch.zeros_like(w)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = ops.linear(ctx, w, heads=True)
+    assert len(saved) == 2 and saved[0] is ctx and saved[1] is w
+    ref = ops.merge_heads(ctx.detach()) @ w.detach().t()
+    assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert_close(ctx.grad, (dy @ w.detach()).view(2, 5, 4, 3).transpose(1, 2), rtol=1e-12, atol=1e-12)
+    assert_close(w.grad, dy.reshape(-1, 7).t() @ ops.merge_heads(ctx.detach()).reshape(-1, 12), rtol=1e-12, atol=1e-12)

@@ -146,21 +146,17 @@ def test_gradients_accumulated_in_place_equal_autograds(device, dtype, rtol, var
         assert_close(p.grad, 2 * autograd[name], rtol=rtol, atol=rtol * 1e-2, what=name)
 
 
-def gpu_versions(ls, dtype, monkeypatch):
-    """(fp64 reference, ``dtype`` on the kernels, ``dtype`` on the references: PyTorch's own error), on CUDA."""
-    ref64 = copy.deepcopy(ls).cuda()
-    lowp, fused = copy.deepcopy(ref64).to(dtype), copy.deepcopy(ref64).to(dtype)
-
-    def run(model, fn):
-        if model is lowp:
-            monkeypatch.setenv("LS_FAIRSEQ_REFERENCE", "all")
-        try:
-            return fn(model)
-        finally:
-            monkeypatch.delenv("LS_FAIRSEQ_REFERENCE", raising=False)
-
+def gpu_versions(stock, ls, dtype):
+    """On CUDA: the fp64 reference (ls_transformer in fp64 runs every op's PyTorch reference), ls_transformer
+    in ``dtype`` on the kernels, and stock fairseq's transformer in ``dtype`` (PyTorch's own error), with
+    each one's gradients by ls_transformer's parameter names."""
+    ref64, fused = copy.deepcopy(ls).cuda(), copy.deepcopy(ls).cuda().to(dtype)
     kernel("layer_norm", next(fused.parameters()))
-    return [(m, lambda fn, m=m: run(m, fn)) for m in (ref64, fused, lowp)]
+
+    def ls_grads(m):
+        return {n: p.grad for n, p in m.named_parameters()}
+
+    return [(ref64, ls_grads), (fused, ls_grads), (copy.deepcopy(stock).cuda().to(dtype), lambda m: grads_by_stock_name(m, False))]
 
 
 GPU_DIMS = dict(encoder_embed_dim=128, encoder_ffn_embed_dim=200, encoder_attention_heads=8,
@@ -170,50 +166,52 @@ GPU_DIMS = dict(encoder_embed_dim=128, encoder_ffn_embed_dim=200, encoder_attent
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_fused_layers_on_the_gpu_match_the_reference_layers(variant, dtype, monkeypatch):
+def test_fused_layers_on_the_gpu_match_the_reference_layers(variant, dtype):
     """A training step of the whole model (padding, odd lengths 33 and 17) on the kernels: logits and every
-    parameter gradient against fp64, within twice the error of the references run in the same precision."""
-    _, ls, task = build_pair(torch.float64, left_pad_target=False, **VARIANTS[variant], **GPU_DIMS)
-    ls.train()
+    parameter gradient against fp64, within twice the error of stock fairseq's transformer in the same
+    precision."""
+    stock, ls, task = build_pair(torch.float64, left_pad_target=False, **VARIANTS[variant], **GPU_DIMS)
     net_input, _ = batch(task, B=6, S=33, T=17, seed=1)
     net_input = {k: v.cuda() for k, v in net_input.items()}
     prev, pad = net_input["prev_output_tokens"], task.source_dictionary.pad()
     upstream = None
     results = []
-    for model, run in gpu_versions(ls, dtype, monkeypatch):
-        out = run(lambda m: m(**net_input)[0])
+    for model, named_grads in gpu_versions(stock, ls, dtype):
+        model.train()
+        out = model(**net_input)[0]
         if upstream is None:
             upstream = torch.randn_like(out) * prev.ne(pad).unsqueeze(-1)
-        run(lambda m: out.backward(upstream.to(out.dtype)))
-        results.append([("logits", nonpad(out, prev, pad))] + [(n, p.grad) for n, p in model.named_parameters()])
-    for (name, ref), (_, out), (_, low) in zip(*results):
-        check_kernel(out, ref, low, name)
+        out.backward(upstream.to(out.dtype))
+        results.append(dict(named_grads(model), logits=nonpad(out, prev, pad)))
+    ref, fused, low = results
+    assert set(ref) == set(fused) == set(low)
+    for name in ref:
+        check_kernel(fused[name], ref[name], low[name], name)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
-def test_incremental_decoding_on_the_gpu_matches_the_reference(dtype, monkeypatch):
+def test_incremental_decoding_on_the_gpu_matches_the_reference(dtype):
     """Step-by-step decoding with a beam reorder and a finished sentence, on the kernels, against the fp64
-    reference's full forward, within twice the error of the references decoding in the same precision."""
-    _, ls, task = build_pair(torch.float64, **GPU_DIMS)
-    ls.eval()
+    reference, within twice the error of stock fairseq's decoding in the same precision."""
+    stock, ls, task = build_pair(torch.float64, **GPU_DIMS)
     net_input, _ = batch(task, B=2, S=33, T=9, seed=2)
     src = net_input["src_tokens"].repeat_interleave(2, dim=0).cuda()
     prev = torch.randint(4, 40, (4, 9), generator=torch.Generator().manual_seed(3)).cuda()
     orders = {3: torch.tensor([1, 1, 3, 2]).cuda(), 5: torch.tensor([0, 2]).cuda()}
     steps = []
-    for model, run in gpu_versions(ls, dtype, monkeypatch):
-        def decode(m, prev=prev):
-            with torch.no_grad():
-                enc, state, out = m.encoder(src), {}, []
-                for t in range(prev.shape[1]):
-                    if t in orders:
-                        prev = prev[orders[t]]
-                        if t == 5:
-                            enc = m.encoder.reorder_encoder_out(enc, orders[t])
-                        m.decoder.reorder_incremental_state_scripting(state, orders[t])
-                    out.append(m.decoder(prev[:, : t + 1], enc, incremental_state=state)[0][:, -1])
-                return out
-        steps.append(run(decode))
+    for m, _ in gpu_versions(stock, ls, dtype):
+        m.eval()
+        tokens = prev
+        with torch.no_grad():
+            enc, state, out = m.encoder(src), {}, []
+            for t in range(tokens.shape[1]):
+                if t in orders:
+                    tokens = tokens[orders[t]]
+                    if t == 5:
+                        enc = m.encoder.reorder_encoder_out(enc, orders[t])
+                    m.decoder.reorder_incremental_state_scripting(state, orders[t])
+                out.append(m.decoder(tokens[:, : t + 1], enc, incremental_state=state)[0][:, -1])
+        steps.append(out)
     for t, (ref, out, low) in enumerate(zip(*steps)):
         check_kernel(out, ref, low, "step {}".format(t))

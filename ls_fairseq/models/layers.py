@@ -5,7 +5,7 @@ fused projections) and runs: GEMMs through torch (cuBLAS on the GPU), every
 other operation through one fused op. Activations are batch-major [B, T, d].
 
   self-attention:  LN? -> GEMM(qkv) -> split_heads(+bias, q scaled) -> attention
-                   -> merge_heads -> GEMM(out) -> bias_dropout_residual -> LN?
+                   -> GEMM(out, heads merged inside) -> bias_dropout_residual -> LN?
   FFN:             LN? -> GEMM(fc1) -> bias_act_dropout -> GEMM(fc2)
                    -> bias_dropout_residual -> LN?
 """
@@ -84,7 +84,7 @@ class _Layer(nn.Module):
                 v = torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
         ctx = ops.attention(q, k, v, mask, self.attention_dropout, self.training, self.deterministic)
-        out = ops.linear(ops.merge_heads(ctx), attn.out_proj.weight)
+        out = ops.linear(ctx, attn.out_proj.weight, heads=True)
         x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training)
         return self._norm(x, self.self_attn_layer_norm, False)
 
@@ -132,7 +132,7 @@ class DecoderLayer(_Layer):
         h = self._norm(x, self.encoder_attn_layer_norm, True)
         (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight), attn.q_proj.bias, attn.num_heads, 1, attn.scaling)
         ctx = ops.attention(q, enc_k, enc_v, enc_mask, self.attention_dropout, self.training, self.deterministic)
-        out = ops.linear(ops.merge_heads(ctx), attn.out_proj.weight)
+        out = ops.linear(ctx, attn.out_proj.weight, heads=True)
         x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training)
         x = self._norm(x, self.encoder_attn_layer_norm, False)
         return self._ffn(x)

@@ -10,33 +10,49 @@ import torch
 import torch.nn.functional as F
 
 from ls_fairseq.ops import dispatch
+from ls_fairseq.ops.qkv import merge_heads
 
 
 class LinearFunction(torch.autograd.Function):
+    """``heads``: x is attention's output [B, heads, T, d_head], merged into [B, T, d] for the
+    GEMM. The merged copy is not kept: backward merges again (one copy kernel), while x itself
+    costs nothing, since the attention keeps it for its own backward (LightSeq2's
+    backward-dependency reuse: 2 bytes x tokens x d per attention block less at the peak)."""
+
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, heads):
+        ctx.heads = heads
         ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)
+        return F.linear(merge_heads(x) if heads else x, weight)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dy.matmul(weight)
+            if ctx.heads:
+                B, H, T, D = x.shape
+                dx = dx.view(B, T, H, D).transpose(1, 2)
         if not ctx.needs_input_grad[1]:
-            return dx, None
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+            return dx, None, None
+        x2 = (merge_heads(x) if ctx.heads else x).reshape(-1, weight.shape[1])
+        dy2 = dy.reshape(-1, dy.shape[-1])
         into = dispatch.grad_in_place(weight)
         if into is not None:
             into.addmm_(dy2.t(), x2)
-            return dx, None
-        return dx, dy2.t().mm(x2)
+            return dx, None, None
+        return dx, dy2.t().mm(x2), None
 
 
-def linear(x, weight):
-    """x [..., in] @ weight [out, in]^T, without bias."""
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError("linear: input has {} features, weight {} expects {}".format(
-            x.shape[-1], tuple(weight.shape), weight.shape[1]))
+def linear(x, weight, heads=False):
+    """x [..., in] @ weight [out, in]^T, without bias. ``heads``: x is attention's output
+    [B, heads, T, d_head], whose heads are merged (in = heads * d_head) first."""
+    features = x.shape[1] * x.shape[3] if heads else x.shape[-1]
+    if (heads and x.dim() != 4) or features != weight.shape[1]:
+        raise ValueError("linear: input has {} features ({}), weight {} expects {}".format(
+            features, "[B, heads, T, d_head] " + str(tuple(x.shape)) if heads else tuple(x.shape),
+            tuple(weight.shape), weight.shape[1]))
     if torch.is_grad_enabled() and weight.requires_grad:
-        return LinearFunction.apply(x, weight)
-    return F.linear(x, weight)
+        return LinearFunction.apply(x, weight, heads)
+    return F.linear(merge_heads(x) if heads else x, weight)

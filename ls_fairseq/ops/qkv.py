@@ -6,7 +6,8 @@ by ``first_scale`` (1/sqrt(d_head) for a query, folded in here as fairseq
 scales q after its bias). parts = 3 gives q, k, v of self-attention; parts = 2L
 gives the keys and values of all L decoder layers' cross-attention from one
 GEMM. x + bias is never stored. merge_heads is the inverse layout change for
-the attention output.
+the attention output (ops.linear(..., heads=True) applies it inside the output
+projection, keeping only the unmerged output).
 """
 import torch
 
