@@ -2,7 +2,7 @@
 reference's own contract (CPU: see also test_ls_adam.py for fairseq parity)."""
 import pytest
 import torch
-from helpers import DTYPES, kernel, rel_error
+from helpers import DEVICES, DTYPES, kernel, rel_error
 
 from ls_fairseq import ops
 from ls_fairseq.ops.adam import (
@@ -32,9 +32,9 @@ def test_kernel_matches_reference(dtype, n, master, decoupled, wd):
     ext = kernel("adam", a["param"])
     scale = torch.tensor(1 / 100.0, device="cuda")  # a device scalar: no host sync
     ext.adam_step(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a["master"], ARGS["lr"], ARGS["beta1"],
-                  ARGS["beta2"], ARGS["eps"], wd, ARGS["step"], scale, decoupled, None)
+                  ARGS["beta2"], ARGS["eps"], wd, ARGS["step"], scale, decoupled, None, False)
     adam_step_reference(b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], b["master"], ARGS["lr"], ARGS["beta1"],
-                        ARGS["beta2"], ARGS["eps"], wd, ARGS["step"], 1 / 100.0, decoupled, None)
+                        ARGS["beta2"], ARGS["eps"], wd, ARGS["step"], 1 / 100.0, decoupled, None, False)
     for key in ("exp_avg", "exp_avg_sq", "master"):
         if a[key] is not None:
             assert rel_error(a[key], b[key]) < 1e-5, key
@@ -50,7 +50,7 @@ def test_kernel_noop_flag_leaves_everything_untouched(dtype):
     before = {k: v.clone() for k, v in a.items()}
     ext = kernel("adam", a["param"])
     ext.adam_step(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a["master"], 1e-3, 0.9, 0.98, 1e-8, 0.01, 3,
-                  1.0, True, torch.ones((), device="cuda"))
+                  1.0, True, torch.ones((), device="cuda"), False)
     for k in a:
         assert torch.equal(a[k], before[k]), k
 
@@ -107,8 +107,8 @@ def test_kernel_step_count_from_the_device(dtype):
     ext = kernel("adam", a["param"])
     args = (1e-3, 0.9, 0.98, 1e-8, 0.01)
     ext.adam_step(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a["master"], *args,
-                  torch.tensor(7.0, device="cuda"), 0.01, True, None)
-    ext.adam_step(b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], b["master"], *args, 7, 0.01, True, None)
+                  torch.tensor(7.0, device="cuda"), 0.01, True, None, False)
+    ext.adam_step(b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], b["master"], *args, 7, 0.01, True, None, False)
     assert rel_error(a["master"], b["master"]) < 1e-6
     assert torch.equal(a["exp_avg"], b["exp_avg"])
 
@@ -155,3 +155,32 @@ def test_reference_noop_flag_and_sizes_on_cpu():
         assert torch.equal(a[k], before[k])
     with pytest.raises(ValueError, match="exp_avg has 3 elements"):
         ops.adam_step(a["param"], a["grad"], torch.zeros(3), a["exp_avg_sq"], weight_decay=0.0, **ARGS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,spacing", [(torch.float16, 2.0**-11), (torch.bfloat16, 2.0**-8)])
+def test_stochastic_rounding_keeps_updates_below_half_a_unit_in_expectation(device, dtype, spacing):
+    """1.0 minus an update of 0.3 units (the spacing below 1.0): round-to-nearest loses it every time;
+    stochastic rounding lands on 1 - spacing with probability 0.3 and on 1.0 otherwise, nothing else."""
+    n = 1_000_003  # a scalar tail after the 16-byte body
+    results = {}
+    for rounding in (False, True):
+        p = torch.ones(n, dtype=dtype, device=device)
+        m, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
+        ops.adam_step(p, torch.ones_like(p), m, v, lr=0.3 * spacing, beta1=0.9, beta2=0.98, eps=1e-12, weight_decay=0.0,
+                      step=1, stochastic_rounding=rounding)
+        results[rounding] = p.float()
+    assert torch.equal(results[False], torch.ones(n, device=device))
+    sr = results[True]
+    down = sr == 1.0 - spacing
+    assert (down | (sr == 1.0)).all()
+    assert abs(down.float().mean().item() - 0.3) < 5 * (0.21 / n) ** 0.5
+    assert not torch.equal(down[: n // 2], down[n // 2 :])  # elements draw independently
+
+
+def test_stochastic_rounding_needs_low_precision_without_a_master_copy():
+    p, m, v = torch.ones(4, dtype=torch.float16), torch.zeros(4), torch.zeros(4)
+    with pytest.raises(ValueError, match="without an fp32 master copy"):
+        ops.adam_step(p, p.clone(), m, v, master=p.float(), stochastic_rounding=True, **ARGS, weight_decay=0.0)
+    with pytest.raises(ValueError, match="got torch.float32"):
+        ops.adam_step(p.float(), p.float(), m, v, stochastic_rounding=True, **ARGS, weight_decay=0.0)

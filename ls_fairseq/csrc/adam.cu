@@ -4,6 +4,9 @@
 // scalar so the host never reads it), L2 or decoupled weight decay, both moment
 // updates, bias correction (step_size from the host's step count), and the
 // write-back to fp16/bf16 parameters and/or the fp32 master copy. Math in fp32.
+// Without a master copy the write-back may round stochastically (Philox words
+// from torch's generator, one per element), so that updates smaller than half a
+// unit of the parameter's precision are not all lost to rounding.
 // A non-zero device noop flag (an overflow found by grad_norm's caller) turns
 // the step into a no-op without a host synchronisation. Any length: a 16-byte
 // vector body and a scalar tail, nothing read past the end.
@@ -25,6 +28,31 @@ __device__ __forceinline__ void adam_one(float& p, float g, float& m, float& v, 
   v = a.beta2 * v + (1.f - a.beta2) * g * g;
   if (a.decoupled) p -= a.lr * a.weight_decay * p;
   p -= a.step_size * m / (sqrtf(v) + a.eps);
+}
+
+// V values for elements e .. e + V - 1, rounded stochastically: element e's word is
+// word e % 4 of Philox group e / 4, however the elements are grouped into accesses
+// (V a multiple of 4 comes with e a multiple of 4: whole groups).
+template <typename T, int V>
+__device__ __forceinline__ void store_stochastic(T* p, const float (&v)[V], const RngState& rng, int64_t e) {
+  Pack<T, V> pk;
+  if constexpr (V % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < V; i += 4) {
+      const uint4 r = random4(rng, uint64_t(e + i) >> 2);
+      const unsigned w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) pk.v[i + j] = round_stochastic<T>(v[i + j], w[j]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const uint4 r = random4(rng, uint64_t(e + i) >> 2);
+      const unsigned w[4] = {r.x, r.y, r.z, r.w};
+      pk.v[i] = round_stochastic<T>(v[i], w[(e + i) & 3]);
+    }
+  }
+  *reinterpret_cast<Pack<T, V>*>(p) = pk;
 }
 
 template <typename T, int V>
@@ -52,7 +80,10 @@ __global__ void adam_kernel(T* __restrict__ param, const T* __restrict__ grad, f
       store<float, V>(exp_avg + base, m);
       store<float, V>(exp_avg_sq + base, v);
       if (master) store<float, V>(master + base, p);
-      store<T, V>(param + base, p);
+      if (a.stochastic_rounding)
+        store_stochastic<T, V>(param + base, p, a.rng, base);
+      else
+        store<T, V>(param + base, p);
     } else {
       for (int64_t e = base; e < n; ++e) {
         float p = master ? master[e] : to_f(param[e]), m = exp_avg[e], v = exp_avg_sq[e];
@@ -60,7 +91,11 @@ __global__ void adam_kernel(T* __restrict__ param, const T* __restrict__ grad, f
         exp_avg[e] = m;
         exp_avg_sq[e] = v;
         if (master) master[e] = p;
-        param[e] = from_f<T>(p);
+        float q[1] = {p};
+        if (a.stochastic_rounding)
+          store_stochastic<T, 1>(param + e, q, a.rng, e);
+        else
+          param[e] = from_f<T>(p);
       }
     }
   }

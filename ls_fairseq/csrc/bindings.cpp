@@ -66,18 +66,20 @@ cudaStream_t stream() { return at::cuda::getCurrentCUDAStream(); }
 
 // The keep-mask for a dropout call: the given one, or a new one drawn from
 // torch's default CUDA generator (which advances, so --seed reproduces runs).
+// The next (seed, offset) of torch's default CUDA generator (which advances, so --seed reproduces runs).
+ls::RngState philox_state() {
+  auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt,
+                                                                 at::cuda::detail::getDefaultCUDAGenerator());
+  std::lock_guard<std::mutex> lock(gen->mutex_);
+  const auto seeds = gen->philox_engine_inputs(4);
+  return ls::RngState{seeds.first, seeds.second, nullptr};
+}
+
 std::pair<std::optional<Tensor>, ls::RngState> dropout_mask(const std::optional<Tensor>& given, double p,
                                                             const Tensor& like) {
   if (p == 0.0) return {std::nullopt, ls::RngState{0, 0, nullptr}};
   if (given) return {given, ls::RngState{0, 0, given->data_ptr<uint8_t>()}};
-  auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt,
-                                                                 at::cuda::detail::getDefaultCUDAGenerator());
-  std::pair<uint64_t, uint64_t> seeds;
-  {
-    std::lock_guard<std::mutex> lock(gen->mutex_);
-    seeds = gen->philox_engine_inputs(4);
-  }
-  return {torch::empty(like.sizes(), like.options().dtype(at::kByte)), ls::RngState{seeds.first, seeds.second, nullptr}};
+  return {torch::empty(like.sizes(), like.options().dtype(at::kByte)), philox_state()};
 }
 
 uint8_t* written_mask(const std::optional<Tensor>& given, const std::optional<Tensor>& mask) {
@@ -443,7 +445,7 @@ const float* device_scalar(const Tensor& t, const Tensor& param, const char* nam
 void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                const std::optional<Tensor>& master, double lr, double beta1, double beta2, double eps,
                double weight_decay, const py::object& step, const py::object& grad_scale, bool decoupled,
-               const std::optional<Tensor>& noop_flag) {
+               const std::optional<Tensor>& noop_flag, bool stochastic_rounding) {
   check(param, "param");
   check_like(grad, param, "grad", "param");
   TORCH_CHECK(grad.numel() == param.numel(), "grad must have ", param.numel(), " elements");
@@ -458,6 +460,10 @@ void adam_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, c
   a.eps = float(eps);
   a.weight_decay = float(weight_decay);
   a.decoupled = decoupled;
+  TORCH_CHECK(!stochastic_rounding || (!master && param.scalar_type() != at::kFloat),
+              "adam_step: stochastic rounding is for fp16/bf16 parameters without an fp32 master copy");
+  a.stochastic_rounding = stochastic_rounding;
+  if (stochastic_rounding) a.rng = philox_state();
   Tensor step_tensor;
   if (THPVariable_Check(step.ptr())) {
     step_tensor = THPVariable_Unpack(step.ptr()).to(at::kFloat).contiguous();

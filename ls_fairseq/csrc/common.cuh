@@ -128,6 +128,38 @@ __device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
   return c;
 }
 
+// Four random words for elements 4g .. 4g+3 of one call's tensor: a pure function
+// of (seed, offset, element index), whatever the launch shape.
+__device__ __forceinline__ uint4 random4(const RngState& rng, uint64_t g) {
+  return philox(make_uint4(unsigned(g), unsigned(g >> 32), unsigned(rng.offset), unsigned(rng.offset >> 32)),
+                make_uint2(unsigned(rng.seed), unsigned(rng.seed >> 32)));
+}
+
+// x rounded to T stochastically with the random word r: up (away from zero) with
+// probability (|x| - |lo|) / (|hi| - |lo|), lo and hi the neighbours of x in T,
+// so the expected result is x itself: updates far below T's resolution survive
+// in expectation (unbiased rounding for parameters kept without an fp32 copy).
+template <typename T>
+__device__ __forceinline__ T round_stochastic(float x, unsigned r);
+template <>
+__device__ __forceinline__ float round_stochastic<float>(float x, unsigned) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 round_stochastic<__nv_bfloat16>(float x, unsigned r) {
+  if (!isfinite(x)) return __float2bfloat16_rn(x);
+  // bf16 is fp32's upper half: add 16 random bits below it, then truncate (toward zero)
+  const unsigned bits = (__float_as_uint(x) + (r & 0xFFFFu)) & 0xFFFF0000u;
+  return __float2bfloat16_rz(__uint_as_float(bits));
+}
+template <>
+__device__ __forceinline__ __half round_stochastic<__half>(float x, unsigned r) {
+  const __half lo = __float2half_rz(x);
+  const float flo = __half2float(lo);
+  if (flo == x || !isfinite(x)) return __float2half_rn(x);
+  const __half hi = __ushort_as_half(static_cast<unsigned short>(__half_as_ushort(lo) + 1));  // one unit outward
+  const float frac = (x - flo) / (__half2float(hi) - flo);  // in (0, 1); 0 when hi overflows to inf
+  return float(r >> 8) * (1.0f / 16777216.0f) < frac ? hi : lo;
+}
+
 // Keep-bits of the dropout mask for elements 4g .. 4g+3 of one call's tensor:
 // a pure function of (seed, offset, element index), whatever the launch shape.
 __device__ __forceinline__ void keep4(const RngState& rng, uint64_t g, float p, bool (&keep)[4]) {
@@ -136,8 +168,7 @@ __device__ __forceinline__ void keep4(const RngState& rng, uint64_t g, float p, 
     for (int i = 0; i < 4; ++i) keep[i] = rng.given[4 * g + i] != 0;
     return;
   }
-  const uint4 r = philox(make_uint4(unsigned(g), unsigned(g >> 32), unsigned(rng.offset), unsigned(rng.offset >> 32)),
-                         make_uint2(unsigned(rng.seed), unsigned(rng.seed >> 32)));
+  const uint4 r = random4(rng, g);
   const unsigned w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) keep[i] = float(w[i] >> 8) * (1.0f / 16777216.0f) >= p;

@@ -110,6 +110,8 @@ struct AdamArgs {
   const float* noop_flag;       // when set and non-zero (a device scalar), the step changes nothing
   const float* step_ptr;        // when set, the step count t (a device scalar) replaces step_size's
   bool decoupled;
+  bool stochastic_rounding;  // round fp16/bf16 parameters stochastically (no master copy), random words from rng
+  RngState rng;
 };
 void adam_step(DType dt, void* param, const void* grad, float* exp_avg, float* exp_avg_sq, float* master, int64_t n,
                const AdamArgs& args, cudaStream_t stream);

@@ -35,8 +35,23 @@ from ls_fairseq.ops import dispatch
 LOSS_SCALE, GOOD_STEPS, GRAD_NORM, GRAD_SCALE, OVERFLOW, STEP, COUNTER = range(7)
 
 
+def round_stochastic_reference(x, dtype):
+    """fp32 ``x`` to fp16/bf16, up or down to its two neighbours lo, hi in ``dtype`` with
+    P(hi) = (x - lo) / (hi - lo): the expected result is x itself (torch's generator draws)."""
+    y = x.to(dtype)
+    bits = y.view(torch.int16)  # +-1 on the bits: one unit outward / inward, either sign
+    above = y.float().abs() > x.abs()
+    lo = torch.where(above, bits - 1, bits).view(dtype)
+    hi = torch.where(above, bits, bits + 1).view(dtype)
+    flo = lo.float()
+    frac = (x - flo) / (hi.float() - flo)
+    rounded = torch.where(torch.rand_like(x) < frac, hi, lo)
+    return torch.where(torch.isfinite(x) & (y.float() != x), rounded, y)
+
+
 def adam_step_reference(
-    param, grad, exp_avg, exp_avg_sq, master, lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled, noop_flag
+    param, grad, exp_avg, exp_avg_sq, master, lr, beta1, beta2, eps, weight_decay, step, grad_scale, decoupled, noop_flag,
+    stochastic_rounding,
 ):
     p = master if master is not None else param.float()
     g = grad.float() * grad_scale
@@ -56,7 +71,7 @@ def adam_step_reference(
     exp_avg_sq.copy_(v)
     if master is not None:
         master.copy_(new_p)
-    param.copy_(new_p)
+    param.copy_(round_stochastic_reference(new_p, param.dtype) if stochastic_rounding else new_p)
 
 
 def grad_norm_reference(grad):
@@ -103,8 +118,13 @@ def adam_step(
     master=None,
     decoupled=True,
     noop_flag=None,
+    stochastic_rounding=False,
 ):
-    """One Adam update of the whole workspace, in place."""
+    """One Adam update of the whole workspace, in place. ``stochastic_rounding``: fp16/bf16
+    ``param`` without ``master`` is rounded stochastically (unbiased) instead of to nearest."""
+    if stochastic_rounding and (master is not None or param.dtype not in (torch.float16, torch.bfloat16)):
+        raise ValueError("adam_step: stochastic rounding is for fp16/bf16 parameters without an fp32 master copy, "
+                         "got {} parameters{}".format(param.dtype, " with a master copy" if master is not None else ""))
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
         if t is not None and t.numel() != param.numel():
             raise ValueError("adam_step: {} has {} elements, param has {}".format(name, t.numel(), param.numel()))
@@ -115,6 +135,7 @@ def adam_step(
     impl(
         param, grad, exp_avg, exp_avg_sq, master, float(lr), float(beta1), float(beta2), float(eps),
         float(weight_decay), step if torch.is_tensor(step) else int(step), grad_scale, bool(decoupled), noop_flag,
+        bool(stochastic_rounding),
     )
 
 

@@ -44,6 +44,13 @@ class LSAdamConfig(FairseqDataclass):
             "(4 more bytes per parameter; small updates then survive rounding)"
         },
     )
+    ls_stochastic_rounding: bool = field(
+        default=False,
+        metadata={
+            "help": "without an fp32 master copy, round the updated fp16/bf16 parameters stochastically "
+            "(unbiased: updates below half a unit of precision survive in expectation) instead of to nearest"
+        },
+    )
     lr: List[float] = II("optimization.lr")
 
 
@@ -93,7 +100,7 @@ class WorkspaceAdam(torch.optim.Optimizer):
     supports_flat_params = True
     supports_step_with_scale = True
 
-    def __init__(self, params, lr, betas, eps, weight_decay, fp32_master=False):
+    def __init__(self, params, lr, betas, eps, weight_decay, fp32_master=False, stochastic_rounding=False):
         params = [p for p in params if p.requires_grad]
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         if len(self.param_groups) != 1:
@@ -106,6 +113,8 @@ class WorkspaceAdam(torch.optim.Optimizer):
         self.master = None
         if fp32_master and self.workspace.param.dtype != torch.float32:
             self.master = self.workspace.param.float()
+        low_precision = self.workspace.param.dtype in (torch.float16, torch.bfloat16)
+        self.stochastic_rounding = stochastic_rounding and low_precision and self.master is None
         self.num_steps = 0
         self.grads_reduced = False
 
@@ -138,6 +147,7 @@ class WorkspaceAdam(torch.optim.Optimizer):
             grad_scale=grad_scale,
             master=self.master,
             noop_flag=noop_flag,
+            stochastic_rounding=self.stochastic_rounding,
         )
         return loss
 
@@ -175,7 +185,9 @@ class LSAdam(FairseqOptimizer):
     def __init__(self, cfg: LSAdamConfig, params, fp32_master=None):
         super().__init__(cfg)
         fp32_master = cfg.ls_fp32_master if fp32_master is None else fp32_master
-        self._optimizer = WorkspaceAdam(params, fp32_master=fp32_master, **self.optimizer_config)
+        self._optimizer = WorkspaceAdam(
+            params, fp32_master=fp32_master, stochastic_rounding=cfg.ls_stochastic_rounding, **self.optimizer_config
+        )
 
     @property
     def optimizer_config(self):
