@@ -3,7 +3,9 @@
 1. prepares the embedded corpus (recipes/wmt14_en_de/prepare.sh --from data/lohelp);
 2. takes a stock model's initial weights (one stock update at a negligible learning
    rate) and converts them with `python -m ls_fairseq.convert from-fairseq`;
-3. trains stock `transformer_wmt_en_de` (fairseq-train --fp16 on a GPU, fp32 on CPU) and
+3. trains stock `transformer_wmt_en_de` (fairseq-train --fp16 on a GPU, fp32 on CPU),
+   the same stock run with other dropout masks (parity_hooks: the noise floor, how far
+   two runs of one model drift apart through dropout alone) and
    `ls_transformer_wmt_en_de` in each --systems precision (ls-fairseq-train) from those
    weights (optimizer, scheduler, meters and data order reset) with dropout on; on a GPU
    the runs share it, all at once;
@@ -20,7 +22,8 @@ machines without sentencepiece; without sacrebleu the hypotheses are kept and
 BLEU is left for --rescore.
 
 Systems: ls-fp16 (--memory-efficient-fp16), ls-fp16-master (--fp16: fp32 master weights
-inside ls_adam), ls-bf16 (--memory-efficient-bf16), ls-bf16-master (--bf16), ls-fp32.
+inside ls_adam), ls-fp16-sr (no master, --ls-stochastic-rounding), ls-bf16,
+ls-bf16-master, ls-bf16-sr likewise, ls-fp32.
 Bounds (the fused layers issue): losses within 1% from update 200 on, final validation
 loss within 1%, BLEU within 0.3. Prints a table and writes DIR/parity.json.
 """
@@ -40,6 +43,8 @@ PRECISION = {
     "ls-fp16-master": ["--fp16"],
     "ls-bf16": ["--memory-efficient-bf16"],
     "ls-bf16-master": ["--bf16"],
+    "ls-fp16-sr": ["--memory-efficient-fp16", "--ls-stochastic-rounding"],
+    "ls-bf16-sr": ["--memory-efficient-bf16", "--ls-stochastic-rounding"],
     "ls-fp32": [],
 }
 
@@ -124,7 +129,9 @@ def train_all(args, data):
        os.path.join(args.out, "convert.log"))
     restart = ["--reset-optimizer", "--reset-lr-scheduler", "--reset-meters", "--reset-dataloader", "--lr", "5e-4"]
     stock_name = "stock-fp16" if gpu else "stock-fp32"
-    runs = [(stock_name, "fairseq-train", stock, os.path.join(init_dir, "checkpoint_last.pt"))]
+    reseeded = ["--user-dir", os.path.join(REPO, "scripts", "parity_hooks")] + stock[2:]
+    runs = [(stock_name, "fairseq-train", stock, os.path.join(init_dir, "checkpoint_last.pt")),
+            (stock_name + "-reseeded", "fairseq-train", reseeded, os.path.join(init_dir, "checkpoint_last.pt"))]
     runs += [(name, "ls-fairseq-train", ls + PRECISION[name], ls_init) for name in systems]
     # every run of a phase at once on a GPU (they share it); one after another on CPU
     phases = [("", ["--dropout", "0.3", "--max-update", str(args.updates), "--log-interval", "50"])]
@@ -157,7 +164,7 @@ def train_all(args, data):
 
 def compare(results, compare_from, first_steps):
     """Each ls run against the stock one: the report (for parity.json) and its Markdown table."""
-    stock_name = next(n for n in results if n.startswith("stock"))
+    stock_name = next(n for n in results if n.startswith("stock"))  # the first: the reference run
     ref = results[stock_name]
     systems = [n for n in results if n != stock_name]
     report = dict(runs=results, comparisons={})
