@@ -54,13 +54,27 @@ struct GradOuts {
   GradOut g[K];
 };
 
+// Stage two: a block of 32 x 32 threads per 32 columns; thread (x, y) adds chunks
+// y, y + 32, ... of column x (independent loads, all in flight at once), then row
+// y = 0 adds the 32 lane sums in order: a fixed order, so deterministic.
+constexpr int kFinishLanes = 32;
+
 template <typename T, int K>
 __global__ void column_sum_finish_kernel(const float* __restrict__ partial, int chunks, int cols, GradOuts<K> out) {
-  const int col = blockIdx.x * blockDim.x + threadIdx.x;
-  if (col >= cols) return;
+  __shared__ float lane_s[kFinishLanes][33];
+  const int col = blockIdx.x * 32 + threadIdx.x;
   const float* part = partial + int64_t(blockIdx.y) * chunks * cols;
   float s = 0.f;
-  for (int c = 0; c < chunks; ++c) s += part[int64_t(c) * cols + col];
+  if (col < cols) {
+#pragma unroll 4
+    for (int c = threadIdx.y; c < chunks; c += kFinishLanes) s += part[int64_t(c) * cols + col];
+  }
+  lane_s[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y != 0 || col >= cols) return;
+  s = 0.f;
+#pragma unroll
+  for (int y = 0; y < kFinishLanes; ++y) s += lane_s[y][threadIdx.x];
   const GradOut g = out.g[blockIdx.y];
   T* o = static_cast<T*>(g.ptr);
   if (g.accumulate) s += to_f(o[col]);
@@ -81,7 +95,8 @@ void map_column_sum(F f, bool vectorizable, const GradOuts<K>& out, float* parti
   else
     map_column_sum_kernel<K, 1><<<dim3(ceil_div(cols, 32), chunks), dim3(32, kRowTile), 0, stream>>>(
         f, partial, rows, cols, chunk_rows);
-  column_sum_finish_kernel<T, K><<<dim3(ceil_div(cols, 256), K), 256, 0, stream>>>(partial, chunks, cols, out);
+  column_sum_finish_kernel<T, K><<<dim3(ceil_div(cols, 32), K), dim3(32, kFinishLanes), 0, stream>>>(partial, chunks,
+                                                                                                   cols, out);
 }
 
 }  // namespace ls

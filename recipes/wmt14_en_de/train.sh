@@ -13,7 +13,9 @@
 # decided on the device). On GPUs: --fp16 (fp32 master weights: the plugin's
 # in ls_adam, stock's in FP16Optimizer), --max-tokens 8192 per GPU and
 # --update-freq ceil(16 / GPUs) (about 130k tokens per update whatever the GPU
-# count); without a GPU: fp32 on the CPU.
+# count; fairseq-train uses every visible GPU), and with several GPUs the plugin
+# adds --ddp-backend legacy_ddp (one all-reduce over ls_adam's gradient
+# workspace per update); without a GPU: fp32 on the CPU.
 set -euo pipefail
 WORK=${WORK:-data/wmt14_en_de}
 SAVE=""
@@ -26,7 +28,7 @@ while [ $# -gt 0 ]; do
     --save) SAVE=$2; shift 2 ;;
     --max-tokens) MAX_TOKENS=$2; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "train.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -47,6 +49,7 @@ if [ $BASELINE = 1 ]; then
   TRAIN=(fairseq-train)
 else
   MODEL=(--arch ls_transformer_vaswani_wmt_en_de_big --criterion ls_label_smoothed_cross_entropy --optimizer ls_adam)
+  [ "$GPUS" -gt 1 ] && MODEL+=(--ddp-backend legacy_ddp)
   PLUGIN=(--user-dir "$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/ls_fairseq")
   TRAIN=("$PY" -m ls_fairseq.train)
 fi

@@ -11,8 +11,9 @@
   the GPU inside the step), with the Python call chain that made each;
 - the optimizer's GPU time per update (gradient clipping + the optimizer step,
   between CUDA events, over the same steps);
-- where the time of those steps goes: the host's operators by self CPU time and
-  the kernels by GPU time (tables written beside the JSON file, .profile.txt).
+- where the time of those steps goes: the host's operators by self CPU time,
+  the kernels by GPU time and by count, and the operators by input shape
+  (tables written beside the JSON file, .profile.txt).
 
 Results go to the JSON file named by $BENCH_HOOKS_OUT at exit. With
 $BENCH_WITH_LS=1 it also loads the ls_fairseq plugin (fairseq takes one
@@ -66,7 +67,7 @@ def _profiled_train_step(self, samples, raise_oom=False):
     if step == _profiler["from"] and _profiler["prof"] is None and torch.cuda.is_available():
         torch.cuda.synchronize()
         _profiler["prof"] = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA], record_shapes=True)
         _profiler["prof"].__enter__()
     prof = _profiler["prof"]
     if prof is None or _profiler["steps"] >= PROFILE_STEPS:
@@ -99,6 +100,10 @@ def _profiled_train_step(self, samples, raise_oom=False):
             with open(os.path.splitext(path)[0] + ".profile.txt", "w") as f:
                 for key, rows in (("self_cpu_time_total", 40), ("self_device_time_total", 40), ("count", 80)):
                     f.write(averages.table(sort_by=key, row_limit=rows, max_name_column_width=90) + "\n")
+                # which tensors the small glue ops (fills, copies, adds, concatenations) work on
+                by_shape = prof.key_averages(group_by_input_shape=True)
+                f.write(by_shape.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=40,
+                                       max_shapes_column_width=100) + "\n")
         pairs = _optimizer_spans["pairs"]
         if pairs:
             _stats["optimizer_ms_per_step"] = sum(a.elapsed_time(b) for a, b in pairs) / len(pairs)
