@@ -104,8 +104,18 @@ def rel(a, b):
     return abs(b - a) / abs(a)
 
 
-def train_all(args, data):
-    """Runs stock and each ls system; returns their results (losses, validation loss; BLEU when scorable)."""
+def last_quarter(losses):
+    """Mean training loss over the intervals of the last quarter of the updates (nan without any)."""
+    if not losses:
+        return float("nan")
+    end = max(losses)
+    tail = [v for u, v in losses.items() if u > 0.75 * end]
+    return sum(tail) / len(tail)
+
+
+def train_all(args, data, write):
+    """Runs stock and each ls system; returns their results (losses, validation loss; BLEU when scorable).
+    ``write(results)`` reports them once trained (BLEU pending) and again when scored."""
     import torch
 
     gpu = torch.cuda.is_available()
@@ -152,13 +162,14 @@ def train_all(args, data):
                 finish(procs[-1][1], log)
         for name, proc, log in procs:
             logs[name] = finish(proc, log)
+    results = {name: dict(losses=losses(logs[name]), valid_loss=valid_loss(logs[name]),
+                          first_losses=losses(logs.get(name + ".first", "")), bleu=None) for name, _, _, _ in runs}
+    write(results)
     generating = [(name, start_generate(args.out, data, os.path.join(args.out, name, "checkpoint_last.pt"), name,
                                         ["--fp16"] if gpu else ["--cpu"], system[:2])) for name, _, system, _ in runs]
-    results = {}
     for name, (proc, log) in generating:
         keep_hypotheses(args.out, name, proc, log)
-        results[name] = dict(losses=losses(logs[name]), valid_loss=valid_loss(logs[name]),
-                             first_losses=losses(logs.get(name + ".first", "")), bleu=bleu(args.out, data, name))
+        results[name]["bleu"] = bleu(args.out, data, name)
     return results
 
 
@@ -168,10 +179,11 @@ def compare(results, compare_from, first_steps):
     ref = results[stock_name]
     systems = [n for n in results if n != stock_name]
     report = dict(runs=results, comparisons={})
-    lines = ["| system | updates | worst loss diff from {} | first {} steps, dropout off | valid loss | BLEU | "
-             "within bounds |".format(compare_from, first_steps), "| --- | --- | --- | --- | --- | --- | --- |",
-             "| {} | {} | - | - | {} | {} | - |".format(stock_name, max(ref["losses"], default=0), ref["valid_loss"],
-                                                      ref["bleu"])]
+    lines = ["| system | updates | worst loss diff from {} | last quarter's mean loss | first {} steps, dropout off | "
+             "valid loss | BLEU | within bounds |".format(compare_from, first_steps),
+             "| --- | --- | --- | --- | --- | --- | --- | --- |",
+             "| {} | {} | - | {:.3f} | - | {} | {} | - |".format(stock_name, max(ref["losses"], default=0),
+                                                             last_quarter(ref["losses"]), ref["valid_loss"], ref["bleu"])]
     for name in systems:
         r = results[name]
         shared = sorted(u for u in set(ref["losses"]) & set(r["losses"]) if u >= compare_from)
@@ -180,6 +192,7 @@ def compare(results, compare_from, first_steps):
         c = dict(
             compared_updates=shared,
             worst_loss_rel_diff=max((rel(ref["losses"][u], r["losses"][u]) for u in shared), default=float("nan")),
+            last_quarter_rel_diff=rel(last_quarter(ref["losses"]), last_quarter(r["losses"])),
             first_steps_worst_rel_diff=max((rel(ref["first_losses"][u], r["first_losses"][u]) for u in first), default=None),
             valid_rel_diff=rel(ref["valid_loss"], r["valid_loss"]) if ref["valid_loss"] and r["valid_loss"] else None,
             bleu_diff=abs(r["bleu"] - ref["bleu"]) if scored else None,
@@ -187,8 +200,9 @@ def compare(results, compare_from, first_steps):
         c["within_bounds"] = bool(shared) and c["worst_loss_rel_diff"] <= 0.01 and c["valid_rel_diff"] is not None \
             and c["valid_rel_diff"] <= 0.01 and scored and c["bleu_diff"] <= 0.3
         report["comparisons"][name] = c
-        lines.append("| {} | {} | {:.2%} | {} | {} ({}) | {} | {} |".format(
-            name, max(r["losses"], default=0), c["worst_loss_rel_diff"],
+        lines.append("| {} | {} | {:.2%} | {:.3f} ({:.2%}) | {} | {} ({}) | {} | {} |".format(
+            name, max(r["losses"], default=0), c["worst_loss_rel_diff"], last_quarter(r["losses"]),
+            c["last_quarter_rel_diff"],
             "-" if c["first_steps_worst_rel_diff"] is None else "{:.3%}".format(c["first_steps_worst_rel_diff"]),
             r["valid_loss"], "-" if c["valid_rel_diff"] is None else "{:.2%}".format(c["valid_rel_diff"]),
             "not scored" if not scored else "{:.2f} ({:+.2f})".format(r["bleu"], r["bleu"] - ref["bleu"]),
@@ -215,6 +229,15 @@ def main():
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     data = args.data or os.path.join(args.out, "data")
+
+    def write(results):
+        report, text = compare(results, args.compare_from, args.first_steps)
+        with open(os.path.join(args.out, "parity.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        with open(os.path.join(args.out, "parity.md"), "w") as f:
+            f.write(text + "\n")
+        return text
+
     if args.rescore:
         with open(os.path.join(args.out, "parity.json")) as f:
             results = json.load(f)["runs"]
@@ -226,13 +249,8 @@ def main():
         sh(["bash", os.path.join(REPO, "recipes", "wmt14_en_de", "prepare.sh"), "--from",
             os.path.join(REPO, "data", "lohelp"), "--work", data, "--vocab-size", str(args.vocab_size), "--ratio", "2.5"],
            os.path.join(args.out, "prepare.log"))
-        results = train_all(args, data)
-    report, text = compare(results, args.compare_from, args.first_steps)
-    with open(os.path.join(args.out, "parity.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, "parity.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+        results = train_all(args, data, write)
+    print(write(results))
 
 
 if __name__ == "__main__":
