@@ -209,7 +209,7 @@ def bench_linear(dtype):
     """The FFN's first GEMM, forward and backward, with the weight's gradient already allocated
     (ls_adam's workspace): autograd's mm into a new tensor plus an add into .grad, against
     ops.linear's in-place accumulation (addmm_, beta = 1). Time of the three GEMMs and the add."""
-    from ls_fairseq.ops.linear import IN_WORKSPACE
+    from ls_fairseq.ops.dispatch import IN_WORKSPACE
 
     x, dy = rand(TOKENS, HIDDEN, dtype=dtype).requires_grad_(), rand(TOKENS, FFN, dtype=dtype)
     results = {}
