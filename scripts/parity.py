@@ -21,9 +21,9 @@
 machines without sentencepiece; without sacrebleu the hypotheses are kept and
 BLEU is left for --rescore.
 
-Systems: ls-fp16 (--memory-efficient-fp16), ls-fp16-master (--fp16: fp32 master weights
-inside ls_adam), ls-fp16-sr (no master, --ls-stochastic-rounding), ls-bf16,
-ls-bf16-master, ls-bf16-sr likewise, ls-fp32.
+Systems: ls-fp16 (--memory-efficient-fp16: no master weights, stochastic rounding),
+ls-fp16-master (--fp16: fp32 master weights inside ls_adam), ls-fp16-rtn (no master,
+--ls-round-to-nearest), ls-bf16, ls-bf16-master, ls-bf16-rtn likewise, ls-fp32.
 Bounds (the fused layers issue): losses within 1% from update 200 on, final validation
 loss within 1%, BLEU within 0.3. Prints a table and writes DIR/parity.json.
 """
@@ -43,8 +43,8 @@ PRECISION = {
     "ls-fp16-master": ["--fp16"],
     "ls-bf16": ["--memory-efficient-bf16"],
     "ls-bf16-master": ["--bf16"],
-    "ls-fp16-sr": ["--memory-efficient-fp16", "--ls-stochastic-rounding"],
-    "ls-bf16-sr": ["--memory-efficient-bf16", "--ls-stochastic-rounding"],
+    "ls-fp16-rtn": ["--memory-efficient-fp16", "--ls-round-to-nearest"],
+    "ls-bf16-rtn": ["--memory-efficient-bf16", "--ls-round-to-nearest"],
     "ls-fp32": [],
 }
 

@@ -19,7 +19,8 @@ def small_model(dtype=torch.float32, device="cpu"):
 
 def optimizers(model_a, model_b, lr=1e-2, wd=0.0):
     fairseq_cfg = FairseqAdamConfig(adam_betas="(0.9, 0.98)", adam_eps=1e-6, weight_decay=wd, lr=[lr])
-    ls_cfg = LSAdamConfig(adam_betas="(0.9, 0.98)", adam_eps=1e-6, weight_decay=wd, lr=[lr])
+    # round to nearest, as fairseq's adam writes its fp16 parameters back
+    ls_cfg = LSAdamConfig(adam_betas="(0.9, 0.98)", adam_eps=1e-6, weight_decay=wd, lr=[lr], ls_round_to_nearest=True)
     return FairseqAdam(fairseq_cfg, list(model_a.parameters())), LSAdam(ls_cfg, list(model_b.parameters()))
 
 
@@ -195,3 +196,16 @@ def test_adam_op_l2_weight_decay_mode():
     ops.adam_step(p.clone(), g, m, v, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=1, decoupled=False)
     g_l2 = g + 0.1 * p
     assert_close(m, 0.1 * g_l2, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype,master,rounding", [
+    (torch.float16, False, True), (torch.bfloat16, False, True), (torch.float16, True, False), (torch.float32, False, False),
+])
+def test_stochastic_rounding_is_the_default_without_master_weights(dtype, master, rounding):
+    """fp16/bf16 parameters without an fp32 copy are rounded stochastically unless --ls-round-to-nearest;
+    with a master copy, or in fp32, there is nothing to round."""
+    params = list(small_model(dtype).parameters())
+    cfg = LSAdamConfig(lr=[1e-3])
+    assert LSAdam(cfg, params, fp32_master=master)._optimizer.stochastic_rounding == rounding
+    cfg.ls_round_to_nearest = True
+    assert not LSAdam(cfg, params, fp32_master=master)._optimizer.stochastic_rounding

@@ -17,7 +17,9 @@ WINDOW, INIT_SCALE = 4, 2.0**10
 
 
 def adam_cfg():
-    return OmegaConf.structured(LSAdamConfig(adam_betas="(0.9, 0.98)", adam_eps=1e-6, weight_decay=0.01, lr=[1e-3]))
+    # round to nearest: the comparisons with fairseq's optimizers are exact arithmetic
+    return OmegaConf.structured(LSAdamConfig(adam_betas="(0.9, 0.98)", adam_eps=1e-6, weight_decay=0.01, lr=[1e-3],
+                                             ls_round_to_nearest=True))
 
 
 def device_step(model, fp16=True, master=False):

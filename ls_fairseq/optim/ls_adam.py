@@ -44,11 +44,11 @@ class LSAdamConfig(FairseqDataclass):
             "(4 more bytes per parameter; small updates then survive rounding)"
         },
     )
-    ls_stochastic_rounding: bool = field(
+    ls_round_to_nearest: bool = field(
         default=False,
         metadata={
-            "help": "without an fp32 master copy, round the updated fp16/bf16 parameters stochastically "
-            "(unbiased: updates below half a unit of precision survive in expectation) instead of to nearest"
+            "help": "without an fp32 master copy, round the updated fp16/bf16 parameters to nearest (as LightSeq2 "
+            "does) instead of stochastically, which keeps updates below half a unit of precision in expectation"
         },
     )
     lr: List[float] = II("optimization.lr")
@@ -186,7 +186,7 @@ class LSAdam(FairseqOptimizer):
         super().__init__(cfg)
         fp32_master = cfg.ls_fp32_master if fp32_master is None else fp32_master
         self._optimizer = WorkspaceAdam(
-            params, fp32_master=fp32_master, stochastic_rounding=cfg.ls_stochastic_rounding, **self.optimizer_config
+            params, fp32_master=fp32_master, stochastic_rounding=not cfg.ls_round_to_nearest, **self.optimizer_config
         )
 
     @property
