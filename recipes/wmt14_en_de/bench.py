@@ -30,6 +30,8 @@ from ls_fairseq.flops import training_flops_per_target_token  # noqa: E402 (the 
 PEAK_TFLOPS = 989.0  # dense fp16/bf16, H100/H200
 
 LOG_INTERVAL = 10
+# NVLink multicast stays off in NCCL, PyTorch and NVSHMEM (shared multi-GPU hosts)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 COMMON = [
     "--share-all-embeddings", "--adam-betas", "(0.9,0.98)", "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt",
     "--warmup-updates", "4000", "--dropout", "0.3", "--label-smoothing", "0.1", "--no-save", "--disable-validation",
@@ -58,23 +60,30 @@ def flops_per_target_token(arch, vocab=32000, length=30.0):
     return training_flops_per_target_token(d, f, enc, dec, vocab, length * 28.0 / 30.0, length, 28.0 / 30.0)
 
 
-def run(system, arch, max_tokens, data, epochs, work):
+def run(system, arch, max_tokens, gpus, data, epochs, work):
+    """One fairseq-train run; ``gpus`` > 1: fairseq's data-parallel training over that many GPUs
+    (--max-tokens per GPU), the plugin's gradients all-reduced over its workspace (legacy_ddp)."""
     prefix, criterion, optimizer, precision, entry = SYSTEMS[system]
     with_ls = prefix == "ls_"
-    name = "{}-{}-{}".format(arch, system, max_tokens)
+    name = "{}-{}-{}".format(arch, system, max_tokens) + ("-{}gpus".format(gpus) if gpus > 1 else "")
     hooks_out = os.path.join(work, name + ".hooks.json")
+    distributed = ["--distributed-world-size", str(gpus)] + (["--ddp-backend", "legacy_ddp"] if with_ls else [])
     cmd = [sys.executable, "-m", entry, data, "--user-dir", os.path.join(HERE, "bench_hooks"),
            "--arch", prefix + ARCHS[arch], "--criterion", criterion, "--optimizer", optimizer,
            "--max-tokens", str(max_tokens), "--max-epoch", str(epochs),
            "--tensorboard-logdir", os.path.join(work, "tensorboard", name)] + precision + COMMON
+    cmd += distributed if gpus > 1 else []
     env = dict(os.environ, BENCH_HOOKS_OUT=hooks_out, BENCH_WITH_LS="1" if with_ls else "0",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for key, value in NO_MULTICAST.items():
+        env.setdefault(key, value)
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log = proc.stdout + proc.stderr
     with open(os.path.join(work, name + ".log"), "w") as f:
         f.write(log)
-    result = dict(system=system, arch=arch, max_tokens=max_tokens, seconds=time.time() - start, rc=proc.returncode)
+    result = dict(system=system, arch=arch, max_tokens=max_tokens, gpus=gpus, seconds=time.time() - start,
+                  rc=proc.returncode)
     if proc.returncode != 0:
         result["error"] = log.strip().splitlines()[-1] if log.strip() else "no output"
         return result
@@ -103,25 +112,32 @@ def run(system, arch, max_tokens, data, epochs, work):
                     "optimizer_ms_per_step"):
             result[key] = hooks.get(key)
     if "wps" in result:
-        result["mfu"] = result["wps"] * flops_per_target_token(arch) / (PEAK_TFLOPS * 1e12)
+        result["mfu"] = result["wps"] * flops_per_target_token(arch) / (PEAK_TFLOPS * 1e12 * gpus)
     return result
 
 
 def table(results):
-    lines = ["| arch | max-tokens | system | wps (steady) | speed-up | ups | step ms | first-epoch wps | peak GiB | kernels/step | GPU ms/step | host syncs/step | optimizer ms/step | MFU |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    base = {(r["arch"], r["max_tokens"]): r.get("wps") for r in results if r["system"] == "stock-fp16"}
+    """Markdown table; speed-up against stock fairseq at the same size and GPU count, scaling
+    efficiency (wps over GPUs x the same system's one-GPU wps) where both were run."""
+    lines = ["| arch | max-tokens | GPUs | system | wps (steady) | speed-up | scaling | ups | step ms | first-epoch wps | "
+             "peak GiB | kernels/step | GPU ms/step | host syncs/step | optimizer ms/step | MFU |",
+             "| --- " * 16 + "|"]
+    wps = {(r["arch"], r["max_tokens"], r.get("gpus", 1), r["system"]): r.get("wps") for r in results}
     for r in results:
+        gpus = r.get("gpus", 1)
         if "wps" not in r:
-            lines.append("| {arch} | {max_tokens} | {system} | failed: {e} | | | | | | | | | | |".format(e=r.get("error", "?"), **r))
+            lines.append("| {} | {} | {} | {} | failed: {} |".format(r["arch"], r["max_tokens"], gpus, r["system"],
+                                                                      r.get("error", "?")) + " |" * 11)
             continue
-        ref = base.get((r["arch"], r["max_tokens"]))
+        ref = wps.get((r["arch"], r["max_tokens"], gpus, "stock-fp16"))
+        one = wps.get((r["arch"], r["max_tokens"], 1, r["system"]))
 
         def fmt(key, spec):
             return spec.format(r[key]) if r.get(key) is not None else "-"
 
-        lines.append("| {} | {} | {} | {:.0f} | {} | {:.1f} | {:.1f} | {} | {} | {} | {} | {} | {} | {:.1%} |".format(
-            r["arch"], r["max_tokens"], r["system"], r["wps"], "{:.2f}x".format(r["wps"] / ref) if ref else "-",
+        lines.append("| {} | {} | {} | {} | {:.0f} | {} | {} | {:.1f} | {:.1f} | {} | {} | {} | {} | {} | {} | {:.1%} |".format(
+            r["arch"], r["max_tokens"], gpus, r["system"], r["wps"], "{:.2f}x".format(r["wps"] / ref) if ref else "-",
+            "{:.0%}".format(r["wps"] / (gpus * one)) if gpus > 1 and one else "-",
             r["ups"], r["step_ms"], fmt("first_epoch_wps", "{:.0f}"), fmt("peak_gib", "{:.1f}"), fmt("kernels_per_step", "{:.0f}"),
             fmt("gpu_ms_per_step", "{:.1f}"), fmt("host_syncs_per_step", "{:.0f}"),
             fmt("optimizer_ms_per_step", "{:.2f}"), r["mfu"]))
@@ -134,6 +150,7 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = [r for r in results if r.get("gpus", 1) == 1]  # one GPU: the sweep over --max-tokens
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for (arch, system) in sorted({(r["arch"], r["system"]) for r in results}):
         pts = sorted((r["max_tokens"], r) for r in results if r["arch"] == arch and r["system"] == system and "wps" in r)
@@ -157,7 +174,7 @@ def tensorboard(results, logdir):
     writer = SummaryWriter(logdir)
     for r in results:
         if "wps" in r:
-            tag = "{}/{}".format(r["arch"], r["system"])
+            tag = "{}/{}".format(r["arch"], r["system"]) + ("/{}gpus".format(r["gpus"]) if r.get("gpus", 1) > 1 else "")
             writer.add_scalar(tag + "/wps", r["wps"], r["max_tokens"])
             writer.add_scalar(tag + "/peak_gib", r.get("peak_gib", 0.0), r["max_tokens"])
             writer.add_scalar(tag + "/mfu", r["mfu"], r["max_tokens"])
@@ -173,6 +190,7 @@ def main():
     parser.add_argument("--systems", default="stock-fp16,ls-fp16-master,ls-bf16-master", help=", ".join(SYSTEMS))
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=24000)
+    parser.add_argument("--gpus", default="1", help="GPU counts, e.g. 1,2 (data-parallel, --max-tokens per GPU)")
     args = parser.parse_args()
     if args.epochs < 2:
         parser.error("--epochs must be at least 2: a warm-up epoch and a measured one")
@@ -185,14 +203,15 @@ def main():
     if not os.path.exists(os.path.join(data, "train.en-de.de.idx")):
         subprocess.run([sys.executable, os.path.join(HERE, "synthetic.py"), "--out", data, "--pairs", str(args.pairs)], check=True)
     results = []
-    for arch in args.archs.split(","):
-        for max_tokens in [int(m) for m in args.max_tokens.split(",")]:
-            for system in args.systems.split(","):
-                r = run(system, arch, max_tokens, data, args.epochs, work)
-                results.append(r)
-                print(json.dumps(r), flush=True)
-                with open(os.path.join(args.out, "results.json"), "w") as f:
-                    json.dump(results, f, indent=1)
+    points = [(arch, int(m), int(g)) for arch in args.archs.split(",") for m in args.max_tokens.split(",")
+              for g in args.gpus.split(",")]
+    for arch, max_tokens, gpus in points:
+        for system in args.systems.split(","):
+            r = run(system, arch, max_tokens, gpus, data, args.epochs, work)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+            with open(os.path.join(args.out, "results.json"), "w") as f:
+                json.dump(results, f, indent=1)
     md = table(results)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(md + "\n")

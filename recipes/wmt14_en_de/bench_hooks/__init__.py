@@ -15,7 +15,8 @@
   the kernels by GPU time and by count, and the operators by input shape
   (tables written beside the JSON file, .profile.txt).
 
-Results go to the JSON file named by $BENCH_HOOKS_OUT at exit. With
+Results go to the JSON file named by $BENCH_HOOKS_OUT at exit (rank 0's, under
+data-parallel training). With
 $BENCH_WITH_LS=1 it also loads the ls_fairseq plugin (fairseq takes one
 --user-dir). Nothing else about training changes.
 """
@@ -63,6 +64,7 @@ def _call_chain(limit=4):
 
 
 def _profiled_train_step(self, samples, raise_oom=False):
+    _stats.setdefault("rank", self.data_parallel_rank)  # under data-parallel training only rank 0 reports
     step = self.get_num_updates()
     if step == _profiler["from"] and _profiler["prof"] is None and torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -95,7 +97,7 @@ def _profiled_train_step(self, samples, raise_oom=False):
         _stats["kernels_per_step"] = len(kernels) / PROFILE_STEPS
         _stats["gpu_ms_per_step"] = sum(e.device_time_total for e in kernels) / PROFILE_STEPS / 1000.0
         path = os.environ.get("BENCH_HOOKS_OUT")
-        if path:
+        if path and _stats["rank"] == 0:
             averages = prof.key_averages()
             with open(os.path.splitext(path)[0] + ".profile.txt", "w") as f:
                 for key, rows in (("self_cpu_time_total", 40), ("self_device_time_total", 40), ("count", 80)):
@@ -147,6 +149,6 @@ def _write():
     if torch.cuda.is_available():
         _stats["peak_bytes"] = max(_stats["peak_bytes"], torch.cuda.max_memory_allocated())
     path = os.environ.get("BENCH_HOOKS_OUT")
-    if path:
+    if path and _stats.get("rank", 0) == 0:
         with open(path, "w") as f:
             json.dump(_stats, f)
