@@ -37,9 +37,6 @@ def parse_args(argv):
 def cli_main():
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.distributed import utils as distributed_utils
-    from fairseq_cli import train
-
-    from ls_fairseq.trainer import LSTrainer
 
     # fairseq-train's log format (importing this package already configured logging otherwise)
     logging.basicConfig(
@@ -51,8 +48,18 @@ def cli_main():
     )
 
     args = parse_args(with_user_dir(sys.argv[1:]))
+    distributed_utils.call_main(convert_namespace_to_omegaconf(args), main)
+
+
+def main(cfg, **kwargs):
+    """fairseq-train's main() with the plugin's trainer. call_main runs it in this process or,
+    for several GPUs, in each spawned worker (a fresh interpreter: the trainer is set there too)."""
+    from fairseq_cli import train
+
+    from ls_fairseq.trainer import LSTrainer
+
     train.Trainer = LSTrainer  # the name fairseq-train's main() builds its trainer from
-    distributed_utils.call_main(convert_namespace_to_omegaconf(args), train.main)
+    return train.main(cfg, **kwargs)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,32 @@ def test_bf16_through_the_plugin_entry_point(data_bin, tmp_path):
     assert torch.equal(weights, weights.bfloat16().float())
 
 
+def test_spawned_workers_train_with_the_plugins_trainer(data_bin, tmp_path):
+    """With several GPUs fairseq runs the entry point's main() in processes it spawns (fresh
+    interpreters); main() itself installs the plugin's trainer there. Here one such process,
+    started with the spawn method as torch.multiprocessing.spawn does, trains 3 updates: the
+    `skipped` column only the plugin's trainer logs is there."""
+    import sys
+
+    script = "\n".join([
+        "import multiprocessing, sys",
+        "from fairseq.dataclass.utils import convert_namespace_to_omegaconf",
+        "import ls_fairseq.train as entry",
+        "if __name__ == '__main__':",
+        "    cfg = convert_namespace_to_omegaconf(entry.parse_args(entry.with_user_dir(sys.argv[1:])))",
+        "    worker = multiprocessing.get_context('spawn').Process(target=entry.main, args=(cfg,))",
+        "    worker.start()",
+        "    worker.join()",
+        "    sys.exit(worker.exitcode)",
+    ])
+    args = [str(data_bin / "data-bin"), "--save-dir", str(tmp_path), "--max-update", "3", "--disable-validation",
+            "--memory-efficient-fp16", "--log-interval", "1"] + TRAIN
+    proc = run([sys.executable, "-c", script] + args)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert re.search(r"num_updates[ =]3\b", log) and re.search(r"skipped[ =]\d", log), log[-3000:]
+
+
 def test_fp16_loss_scale_decided_on_the_device(data_bin, tmp_path):
     """ls-fairseq-train --fp16: ls_adam's device loss scaler skips and counts the overflowing steps,
     logs the scale, saves it, and a resumed run continues from it."""
