@@ -173,6 +173,37 @@ def test_gpu_resume_continues_bit_identically(data_bin, tmp_path, precision):
                sa["state"][k] == sb["state"][k] for k in sa["state"]), "optimizer state differs after the resume"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["--fp16", "--bf16"])
+def test_two_gpus_train_resume_and_keep_the_ranks_identical(data_bin, tmp_path, precision):
+    """ls-fairseq-train on two GPUs (fairseq's data-parallel training, ls_adam's one all-reduce over its
+    gradient workspace under legacy_ddp): rank 0 alone saves, a second run resumes, and after every
+    update both ranks hold the same parameters."""
+    import os
+    import sys
+
+    from conftest import REPO
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    cmd = [sys.executable, "-m", "ls_fairseq.train", str(data_bin / "data-bin"),
+           "--user-dir", os.path.join(REPO, "tests", "rank_hooks"), "--save-dir", str(tmp_path / "ckpt")]
+    cmd += [a for a in TRAIN if a != "--cpu"] + [precision, "--distributed-world-size", "2", "--ddp-backend",
+                                                 "legacy_ddp", "--disable-validation", "--no-epoch-checkpoints"]
+    env = {"LS_TEST_RANK_DIR": str(ranks), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1"}
+    for stop in (4, 8):
+        proc = run(cmd + ["--max-update", str(stop)], env=env)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, log[-3000:]
+        assert len(re.findall(r"Saved checkpoint", log)) == 1, log[-3000:]
+        states = [(ranks / "rank{}.txt".format(r)).read_text() for r in (0, 1)]
+        assert states[0] == states[1] and states[0].startswith("{} ".format(stop)), states
+    assert re.search(r"Loaded checkpoint .*\(epoch \d+ @ 4 updates\)", log), log[-3000:]
+
+
 def test_fine_tune_a_stock_model_with_the_plugin(data_bin, tmp_path):
     stock_dir = tmp_path / "stock"
     stock_args = ["--arch", "transformer_tiny", "--share-all-embeddings", "--criterion", "label_smoothed_cross_entropy",

@@ -1,0 +1,27 @@
+"""A fairseq --user-dir for the multi-GPU tests: loads the ls_fairseq plugin and,
+after every training step, writes this rank's update count and a checksum of
+its parameters to $LS_TEST_RANK_DIR/rank<R>.txt, so a test can see that the
+data-parallel ranks hold the same parameters."""
+import hashlib
+import os
+
+from fairseq.trainer import Trainer
+
+import ls_fairseq  # noqa: F401 (registers the plugin)
+
+_train_step = Trainer.train_step
+
+
+def _train_step_and_record(self, samples, raise_oom=False):
+    out = _train_step(self, samples, raise_oom)
+    folder = os.environ.get("LS_TEST_RANK_DIR")
+    if folder:
+        digest = hashlib.sha256()
+        for p in self.model.parameters():
+            digest.update(p.detach().float().cpu().numpy().tobytes())
+        with open(os.path.join(folder, "rank{}.txt".format(self.data_parallel_rank)), "w") as f:
+            f.write("{} {}\n".format(self.get_num_updates(), digest.hexdigest()))
+    return out
+
+
+Trainer.train_step = _train_step_and_record
