@@ -240,9 +240,8 @@ std::tuple<Tensor, Tensor> bias_act_dropout_backward(const Tensor& dout, const T
   auto [dbias, dbias_out] = grad_out(dbias_into, x, {hidden}, "dbias_into");
   auto partial = torch::empty({ls::column_chunks(rows) * int64_t(hidden)}, x.options().dtype(at::kFloat));
   ls::bias_act_dropout_backward(dtype_of(x, "x"), dout.data_ptr(), x.data_ptr(), bias ? bias->data_ptr() : nullptr,
-                                mask_ptr(mask),
-                                dx.data_ptr(), dbias_out, partial.data_ptr<float>(), rows, hidden, act, float(p),
-                                stream());
+                                mask_ptr(mask), dx.data_ptr(), dbias_out, partial.data_ptr<float>(), rows, hidden, act,
+                                float(p), stream());
   CHECK_CUDA_OK();
   return {dx, dbias};
 }

@@ -3,8 +3,9 @@
 // may also store what it computes, e.g. the op's dx), and writes K fp32 partial
 // sums per (row chunk, column); stage two (one launch for all K) adds the chunks
 // up in a fixed order and writes the K column sums in the storage type, or adds
-// them to the gradients there (GradOut::accumulate), rounding once. Used by every bias gradient and
-// by LayerNorm's gamma/beta gradients, so dx is written once and never re-read.
+// them to the gradients there (GradOut::accumulate), rounding once. Used by every
+// bias gradient and by LayerNorm's gamma/beta gradients, so dx is written once
+// and never re-read.
 // A thread handles V adjacent columns (16-byte accesses when the caller allows),
 // a block 32 * V columns by 8 rows at a time.
 //   f: template <int N> __device__ void operator()(int64_t row, int col, float (&v)[K][N]) const;
