@@ -9,10 +9,10 @@ q arrives already scaled (the qkv op folds 1/sqrt(d_head) in). Two paths:
   for (FlashAttention's backward accumulates dq with atomic adds, so two runs
   differ in the last bits; the LightSeq path's GEMMs and kernels do not). Its
   FlashAttention and memory-efficient kernels only: torch prefers cuDNN's
-  attention on Hopper, which builds an
-  execution plan for every new batch shape (about 10 ms of host time per call,
-  measured on the H200: docs/perf-log.md), so a first epoch, where nearly
-  every batch has a new shape, ran 7x slower than the next.
+  attention on Hopper, which builds an execution plan for every new batch
+  shape (about 10 ms of host time per call, measured on the H200:
+  docs/perf-log.md), so a first epoch, where nearly every batch has a new
+  shape, ran 7x slower than the next.
 """
 import contextlib
 
