@@ -14,7 +14,7 @@
    1,200-sentence test set; and, with dropout off, the losses of the first
    --first-steps updates (logged every update).
 
-  python scripts/parity.py --out DIR [--updates 2000] [--systems ls-fp16-master,ls-bf16-master,...] [-- fairseq-train options]
+  python scripts/parity.py --out DIR [--updates 3000] [--systems ls-fp16-master,ls-bf16-master,...] [-- fairseq-train options]
   python scripts/parity.py --out DIR --rescore    # BLEU of DIR's hypotheses, where sacrebleu is installed
 
 --data DIR reuses a corpus prepared before (prepare.sh skips finished steps), for
@@ -219,7 +219,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--data", help="prepared corpus folder (default: OUT/data, prepared here)")
-    parser.add_argument("--updates", type=int, default=2000)
+    # 2,000 updates left stock fairseq at 8.9 BLEU on the test set (2026-11-29); the fused-layers issue asks for >= 10
+    parser.add_argument("--updates", type=int, default=3000)
     parser.add_argument("--compare-from", type=int, default=200)
     parser.add_argument("--first-steps", type=int, default=20, help="dropout-off check length (0: skip it)")
     parser.add_argument("--systems", default="ls-fp16-master,ls-bf16-master", help=", ".join(PRECISION))
