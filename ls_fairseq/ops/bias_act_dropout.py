@@ -55,8 +55,7 @@ def bias_act_dropout_backward_reference(dout, x, bias, mask, activation, p, dbia
     # dh = dout * mask / (1 - p) * act'(x + bias); dx = dh; dbias = sum over tokens of dh (bias None: zero)
     h = dispatch.upcast(x) if bias is None else dispatch.upcast(x) + dispatch.upcast(bias)
     dh = dispatch.apply_dropout(dispatch.upcast(dout), mask, p) * _act_grad(h, activation)
-    dbias = dh.reshape(-1, dh.shape[-1]).sum(0)
-    return dh.to(x.dtype), dispatch.gradient(dbias, x.dtype, dbias_into)
+    return dispatch.with_bias_gradient(dh, x.dtype, dbias_into)
 
 
 class BiasActDropoutFunction(torch.autograd.Function):

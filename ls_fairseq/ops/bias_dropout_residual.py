@@ -18,8 +18,7 @@ def bias_dropout_residual_forward_reference(x, bias, residual, p, mask):
 def bias_dropout_residual_backward_reference(dout, mask, p, dbias_into=None):
     # d residual = dout; d x = dout * mask / (1 - p); d bias = sum over tokens of d x
     dx = dispatch.apply_dropout(dispatch.upcast(dout), mask, p)
-    dbias = dx.reshape(-1, dx.shape[-1]).sum(0)
-    return dx.to(dout.dtype), dispatch.gradient(dbias, dout.dtype, dbias_into)
+    return dispatch.with_bias_gradient(dx, dout.dtype, dbias_into)
 
 
 class BiasDropoutResidualFunction(torch.autograd.Function):

@@ -152,6 +152,12 @@ def gradient(value, dtype, into=None):
     return into.copy_(upcast(into) + value)
 
 
+def with_bias_gradient(d, dtype, into=None):
+    """(``d`` in ``dtype``, the gradient of the bias added before it: the sum of ``d`` over every
+    position but the last dimension, through ``gradient``)."""
+    return d.to(dtype), gradient(d.reshape(-1, d.shape[-1]).sum(0), dtype, into)
+
+
 def upcast(t):
     """The math dtype of the references: fp32 for fp16/bf16/fp32 storage, fp64 stays fp64
     (so that references can be checked against independent formulations in fp64)."""

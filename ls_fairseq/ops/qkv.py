@@ -30,7 +30,7 @@ def qkv_backward_reference(dy, first_scale, dbias_into=None):
     scale = torch.ones(P, 1, 1, 1, 1, device=dy.device)
     scale[0] = first_scale
     dx = (dispatch.upcast(dy) * scale).permute(1, 3, 0, 2, 4).reshape(B, T, P * H * D)
-    return dx.to(dy.dtype), dispatch.gradient(dx.reshape(-1, P * H * D).sum(0), dy.dtype, dbias_into)
+    return dispatch.with_bias_gradient(dx, dy.dtype, dbias_into)
 
 
 class QKVFunction(torch.autograd.Function):
