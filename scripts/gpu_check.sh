@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: build the extension in place, print which path each op
 # takes, run the GPU tests, then any benchmark commands given as arguments.
-# Full logs go to $OUT (default /tmp/ls_fairseq_gpu); a summary is printed last.
+# Full logs go to $OUT (default /tmp/ls_fairseq_gpu), bundled into $OUT/logs.tgz at the
+# end (the device tool returns only a few files); a summary is printed last.
 #   bash scripts/gpu_check.sh "python3 scripts/bench_ops.py --dtype fp16"
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -30,4 +31,6 @@ for cmd in "$@"; do
   bash -c "$cmd" || status=1
 done
 tail -1 "$OUT/pytest_gpu.log"
+# the device tool brings back only a handful of files: everything under $OUT goes into one archive
+(cd "$OUT" && tar czf logs.tgz --exclude logs.tgz -- * && find . -type f ! -name logs.tgz -delete)
 exit $status
