@@ -187,12 +187,15 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
             nn.init.normal_(self.output_projection.weight, mean=0, std=dim**-0.5)
 
     def _encoder_keys_values(self, encoder_out):
+        """Every layer's cross-attention keys and values from one GEMM: 2L views [B, heads, S, d_head]
+        of one tensor. Kept as views: backward meets their gradients in one stack, where indexing a
+        stacked copy would give each layer's slice a gradient of the full stack's size (a fill, a copy
+        and an add of 2L x tokens x d per layer)."""
         enc = encoder_out["encoder_out"][0]
-        kv = ops.split_heads(
+        return ops.split_heads(
             ops.linear(enc, self.encoder_attn_kv_proj.weight), self.encoder_attn_kv_proj.bias,
             self.num_heads, 2 * len(self.layers),
         )
-        return torch.stack(kv)
 
     def forward(
         self,
@@ -217,8 +220,8 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
         cache = self.get_incremental_state(incremental_state, "cache") if incremental_state is not None else None
         if incremental_state is not None:
             prev_output_tokens, positions = prev_output_tokens[:, -1:], positions[:, -1:]
-            if cache is None:
-                cache = {"encoder_kv": self._encoder_keys_values(encoder_out)}
+            if cache is None:  # decoding: one tensor, which a beam reorder selects from
+                cache = {"encoder_kv": torch.stack(self._encoder_keys_values(encoder_out))}
                 self.set_incremental_state(incremental_state, "cache", cache)
             encoder_kv, self_mask = cache["encoder_kv"], ops.AttentionMask(causal=True)
         else:
