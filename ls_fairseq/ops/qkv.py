@@ -55,7 +55,9 @@ def split_heads(x, bias, num_heads, num_parts, first_scale=1.0):
                 tuple(x.shape), num_parts, num_heads, tuple(bias.shape)
             )
         )
-    return QKVFunction.apply(x, bias, num_heads, num_parts, first_scale).unbind(0)
+    y = QKVFunction.apply(x, bias, num_heads, num_parts, first_scale)
+    # one part: a view, whose gradient is a view too (unbind's backward would stack one tensor: a copy)
+    return (y.squeeze(0),) if num_parts == 1 else y.unbind(0)
 
 
 def merge_heads(x):
