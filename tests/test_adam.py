@@ -22,6 +22,11 @@ def state(n, dtype, device, master):
 ARGS = dict(lr=1e-3, beta1=0.9, beta2=0.98, eps=1e-8, step=7)
 
 
+def tensors(s):
+    """A state's tensors in the order of the adam_step binding and its reference."""
+    return s["param"], s["grad"], s["exp_avg"], s["exp_avg_sq"], s["master"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 15, 4097, 1000003])
@@ -31,10 +36,9 @@ def test_kernel_matches_reference(dtype, n, master, decoupled, wd):
     b = {k: (v.clone() if v is not None else None) for k, v in a.items()}
     ext = kernel("adam", a["param"])
     scale = torch.tensor(1 / 100.0, device="cuda")  # a device scalar: no host sync
-    ext.adam_step(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a["master"], ARGS["lr"], ARGS["beta1"],
-                  ARGS["beta2"], ARGS["eps"], wd, ARGS["step"], scale, decoupled, None, False)
-    adam_step_reference(b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], b["master"], ARGS["lr"], ARGS["beta1"],
-                        ARGS["beta2"], ARGS["eps"], wd, ARGS["step"], 1 / 100.0, decoupled, None, False)
+    hyper = (ARGS["lr"], ARGS["beta1"], ARGS["beta2"], ARGS["eps"], wd, ARGS["step"])
+    ext.adam_step(*tensors(a), *hyper, scale, decoupled, None, False)
+    adam_step_reference(*tensors(b), *hyper, 1 / 100.0, decoupled, None, False)
     for key in ("exp_avg", "exp_avg_sq", "master"):
         if a[key] is not None:
             assert rel_error(a[key], b[key]) < 1e-5, key
@@ -49,8 +53,7 @@ def test_kernel_noop_flag_leaves_everything_untouched(dtype):
     a = state(10001, dtype, "cuda", True)
     before = {k: v.clone() for k, v in a.items()}
     ext = kernel("adam", a["param"])
-    ext.adam_step(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a["master"], 1e-3, 0.9, 0.98, 1e-8, 0.01, 3,
-                  1.0, True, torch.ones((), device="cuda"), False)
+    ext.adam_step(*tensors(a), 1e-3, 0.9, 0.98, 1e-8, 0.01, 3, 1.0, True, torch.ones((), device="cuda"), False)
     for k in a:
         assert torch.equal(a[k], before[k]), k
 
@@ -106,9 +109,8 @@ def test_kernel_step_count_from_the_device(dtype):
     b = {k: v.clone() for k, v in a.items()}
     ext = kernel("adam", a["param"])
     args = (1e-3, 0.9, 0.98, 1e-8, 0.01)
-    ext.adam_step(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], a["master"], *args,
-                  torch.tensor(7.0, device="cuda"), 0.01, True, None, False)
-    ext.adam_step(b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], b["master"], *args, 7, 0.01, True, None, False)
+    ext.adam_step(*tensors(a), *args, torch.tensor(7.0, device="cuda"), 0.01, True, None, False)
+    ext.adam_step(*tensors(b), *args, 7, 0.01, True, None, False)
     assert rel_error(a["master"], b["master"]) < 1e-6
     assert torch.equal(a["exp_avg"], b["exp_avg"])
 

@@ -121,6 +121,9 @@ def test_dropout_changes_training_output_and_eval_is_deterministic():
 @pytest.mark.parametrize("device,dtype,rtol", [
     ("cpu", torch.float64, 1e-10),
     pytest.param("cuda", torch.float32, 1e-5, marks=pytest.mark.gpu),  # the kernels round the sum once, autograd twice
+    # fp16/bf16: each path rounds every gradient element once or twice: a few units of rounding, in norm
+    pytest.param("cuda", torch.float16, 2.0**-9, marks=pytest.mark.gpu),
+    pytest.param("cuda", torch.bfloat16, 2.0**-6, marks=pytest.mark.gpu),
 ])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gradients_accumulated_in_place_equal_autograds(device, dtype, rtol, variant):
@@ -143,7 +146,10 @@ def test_gradients_accumulated_in_place_equal_autograds(device, dtype, rtol, var
         out, _ = ls(**net_input)
         out.backward(upstream)
     for name, p in ls.named_parameters():
-        assert_close(p.grad, 2 * autograd[name], rtol=rtol, atol=rtol * 1e-2, what=name)
+        if dtype in LOW_PRECISION:
+            assert rel_error(p.grad, 2 * autograd[name]) <= rtol, (name, rel_error(p.grad, 2 * autograd[name]))
+        else:
+            assert_close(p.grad, 2 * autograd[name], rtol=rtol, atol=rtol * 1e-2, what=name)
 
 
 def gpu_versions(stock, ls, dtype):
@@ -156,7 +162,8 @@ def gpu_versions(stock, ls, dtype):
     def ls_grads(m):
         return {n: p.grad for n, p in m.named_parameters()}
 
-    return [(ref64, ls_grads), (fused, ls_grads), (copy.deepcopy(stock).cuda().to(dtype), lambda m: grads_by_stock_name(m, False))]
+    low = copy.deepcopy(stock).cuda().to(dtype)
+    return [(ref64, ls_grads), (fused, ls_grads), (low, lambda m: grads_by_stock_name(m, False))]
 
 
 GPU_DIMS = dict(encoder_embed_dim=128, encoder_ffn_embed_dim=200, encoder_attention_heads=8,
