@@ -26,6 +26,7 @@ from fairseq.optim.adam import Adam as FairseqAdamImpl
 from ls_fairseq import ops
 from ls_fairseq.ops import dispatch
 from ls_fairseq.ops.embedding import sinusoidal
+from ls_fairseq.ops.qkv import QKVFunction
 
 TOKENS, HIDDEN, FFN, HEADS, VOCAB, SENT_LEN = 8192, 1024, 4096, 16, 32000, 32
 L2_BYTES = 60 << 20
@@ -53,6 +54,18 @@ def copy_bandwidth():
     b = torch.empty_like(a)
     ms, _ = kernel_ms(lambda _: b.copy_(a), [None], iters=10)
     return 2 * a.numel() / ms / 1e6
+
+
+def same_size_copy_ms(nbytes):
+    """Kernel time of a device-to-device copy that reads nbytes / 2 and writes nbytes / 2 (the
+    op's byte count), rotating among buffers larger than L2: at these sizes a copy reaches only
+    part of the 1 GiB copy's bandwidth (ramp-up and tail of one kernel), the ceiling an op of
+    the same size can approach."""
+    half = max(int(nbytes) // 2, 1)
+    pairs = [(torch.empty(half, dtype=torch.uint8, device="cuda"), torch.empty(half, dtype=torch.uint8, device="cuda"))
+             for _ in range(max(2, 2 * L2_BYTES // half + 1))]
+    ms, _ = kernel_ms(lambda pair: pair[1].copy_(pair[0]), pairs)
+    return ms
 
 
 def make_sets(make, bytes_per_set):
@@ -121,8 +134,10 @@ def benches(dtype):
         heads = [t.reshape(B, SENT_LEN, HEADS, -1).transpose(1, 2).contiguous() for t in (q * (HIDDEN // HEADS) ** -0.5, k, v)]
         return torch.stack(heads)
 
+    # stock: fairseq's three contiguous head tensors; ls: the op's [3, B, heads, T, d_head] buffer,
+    # of which split_heads returns the three views (no copy either way)
     rows.append(("qkv", qkv_inputs, 2 * 3 * n * s, 2 * 3 * n * s, qkv_stock,
-                 lambda x, b, dy: torch.stack(ops.split_heads(x, b, HEADS, 3, (HIDDEN // HEADS) ** -0.5))))
+                 lambda x, b, dy: QKVFunction.apply(x, b, HEADS, 3, (HIDDEN // HEADS) ** -0.5)))
 
     # embedding: scaled lookup + sinusoidal positions + dropout
     def emb_inputs():
@@ -178,7 +193,9 @@ def bench_forward_backward(name, make, fwd_bytes, bwd_bytes, stock, ours, copy_b
         results[label] = dict(fwd_ms=f_ms, bwd_ms=max(fb_ms - f_ms, 1e-6), peak_extra_mb=peak / 2**20,
                               fwd_kernels=f_k, bwd_kernels=fb_k - f_k)
     ls, st = results["ls"], results["stock"]
+    copy_fwd, copy_bwd = same_size_copy_ms(fwd_bytes), same_size_copy_ms(bwd_bytes)
     return dict(
+        fwd_same_size_copy_pct=100 * copy_fwd / ls["fwd_ms"], bwd_same_size_copy_pct=100 * copy_bwd / ls["bwd_ms"],
         op=name, stock_fwd_ms=st["fwd_ms"], ls_fwd_ms=ls["fwd_ms"], stock_bwd_ms=st["bwd_ms"], ls_bwd_ms=ls["bwd_ms"],
         fwd_speedup=st["fwd_ms"] / ls["fwd_ms"], bwd_speedup=st["bwd_ms"] / ls["bwd_ms"],
         fwd_bw_pct=100 * fwd_bytes / ls["fwd_ms"] / 1e6 / copy_bw, bwd_bw_pct=100 * bwd_bytes / ls["bwd_ms"] / 1e6 / copy_bw,
@@ -242,16 +259,19 @@ def main():
     print("\n{} on {}, copy bandwidth {:.0f} GB/s (transformer-big sizes, 8192 tokens)".format(
         args.dtype, torch.cuda.get_device_name(), copy_bw))
     print("GPU kernel time per call (profiler); kernels per call as fwd+bwd, stock / ls")
+    print("% copy bw: the op's fewest bytes over its time, against the 1 GiB copy's bandwidth (in parentheses: "
+          "against a copy of the same number of bytes)")
     print("| op | stock fwd ms | ls fwd ms | fwd x | ls fwd % copy bw | stock bwd ms | ls bwd ms | bwd x | ls bwd % copy bw | extra MB stock / ls | kernels |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         print("| {op} | {a:.3f} | {b:.3f} | {c:.2f} | {d} | {e} | {f} | {g} | {h} | {i} |".format(
             op=r["op"], a=r["stock_fwd_ms"], b=r["ls_fwd_ms"], c=r["fwd_speedup"],
-            d="-" if r["fwd_bw_pct"] is None else "{:.0f}%".format(r["fwd_bw_pct"]),
+            d="-" if r["fwd_bw_pct"] is None else "{:.0f}%".format(r["fwd_bw_pct"]) + (
+                " ({:.0f}%)".format(r["fwd_same_size_copy_pct"]) if "fwd_same_size_copy_pct" in r else ""),
             e="{:.3f}".format(r["stock_bwd_ms"]) if "stock_bwd_ms" in r else "-",
             f="{:.3f}".format(r["ls_bwd_ms"]) if "ls_bwd_ms" in r else "-",
             g="{:.2f}".format(r["bwd_speedup"]) if "bwd_speedup" in r else "-",
-            h="{:.0f}%".format(r["bwd_bw_pct"]) if "bwd_bw_pct" in r else "-",
+            h="{:.0f}% ({:.0f}%)".format(r["bwd_bw_pct"], r["bwd_same_size_copy_pct"]) if "bwd_bw_pct" in r else "-",
             i="{:.0f} / {:.0f}".format(r["stock_peak_mb"], r["ls_peak_mb"]) if "ls_peak_mb" in r else "-")
             + " {} |".format(r["kernels"]))
 

@@ -32,13 +32,13 @@ struct BadForward {
   const T* bias;
   int hidden, activation;
   template <int N>
-  __device__ void values(int64_t e, float (&v)[N]) const {
-    load_biased<T, N>(x, bias, e, hidden, v);
+  __device__ void values(int64_t r, int c, float (&v)[N]) const {
+    load_biased<T, N>(x + r * hidden + c, bias + c, v);
 #pragma unroll
     for (int i = 0; i < N; ++i) v[i] = act(v[i], activation);
   }
   template <int N>
-  __device__ void finish(int64_t, float (&)[N]) const {}
+  __device__ void finish(int64_t, int, float (&)[N]) const {}
 };
 
 template <typename T>
@@ -75,8 +75,8 @@ void bias_act_dropout_forward(DType dt, const void* x, const void* bias, void* o
                               int hidden, int activation, float p, RngState rng, cudaStream_t stream) {
   LS_DISPATCH(dt, {
     const bool vec = hidden % kVec<T> == 0 && aligned16(x) && aligned16(bias);
-    dropout_map<T>(BadForward<T>{(const T*)x, (const T*)bias, hidden, activation}, vec, (T*)out, mask,
-                   rows * hidden, p, rng, stream);
+    dropout_map<T>(BadForward<T>{(const T*)x, (const T*)bias, hidden, activation}, vec, (T*)out, mask, rows,
+                   hidden, p, rng, stream);
   })
 }
 

@@ -19,13 +19,13 @@ struct BdrForward {
   const T* residual;
   int hidden;
   template <int N>
-  __device__ void values(int64_t e, float (&v)[N]) const {
-    load_biased<T, N>(x, bias, e, hidden, v);
+  __device__ void values(int64_t r, int c, float (&v)[N]) const {
+    load_biased<T, N>(x + r * hidden + c, bias + c, v);
   }
   template <int N>
-  __device__ void finish(int64_t e, float (&v)[N]) const {
+  __device__ void finish(int64_t r, int c, float (&v)[N]) const {
     float rv[N];
-    load<T, N>(residual + e, rv);
+    load<T, N>(residual + r * hidden + c, rv);
 #pragma unroll
     for (int i = 0; i < N; ++i) v[i] += rv[i];
   }
@@ -56,7 +56,7 @@ void bias_dropout_residual_forward(DType dt, const void* x, const void* bias, co
   LS_DISPATCH(dt, {
     const bool vec = hidden % kVec<T> == 0 && aligned16(x) && aligned16(bias) && aligned16(residual);
     dropout_map<T>(BdrForward<T>{(const T*)x, (const T*)bias, (const T*)residual, hidden}, vec, (T*)out, mask,
-                   rows * hidden, p, rng, stream);
+                   rows, hidden, p, rng, stream);
   })
 }
 

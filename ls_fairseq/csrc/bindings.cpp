@@ -64,8 +64,6 @@ void check_probability(double p, const char* op) {
 
 cudaStream_t stream() { return at::cuda::getCurrentCUDAStream(); }
 
-// The keep-mask for a dropout call: the given one, or a new one drawn from
-// torch's default CUDA generator (which advances, so --seed reproduces runs).
 // The next (seed, offset) of torch's default CUDA generator (which advances, so --seed reproduces runs).
 ls::RngState philox_state() {
   auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt,
@@ -75,6 +73,7 @@ ls::RngState philox_state() {
   return ls::RngState{seeds.first, seeds.second, nullptr};
 }
 
+// The keep-mask for a dropout call: the given one, or a new one drawn from Philox.
 std::pair<std::optional<Tensor>, ls::RngState> dropout_mask(const std::optional<Tensor>& given, double p,
                                                             const Tensor& like) {
   if (p == 0.0) return {std::nullopt, ls::RngState{0, 0, nullptr}};
@@ -288,6 +287,11 @@ Tensor softmax_backward(const Tensor& dout, const Tensor& probs, const std::opti
 }
 
 // ---- qkv ----
+// The head-split kernels index tokens (batch x len) with 32-bit integers.
+void check_tokens(int64_t batch, int64_t len) {
+  TORCH_CHECK(batch * len < (int64_t(1) << 31), "qkv: batch x len must be below 2^31 tokens, got ", batch, " x ", len);
+}
+
 Tensor qkv_forward(const Tensor& x, const Tensor& bias, int64_t num_heads, int64_t num_parts, double first_scale) {
   check(x, "x");
   TORCH_CHECK(x.dim() == 3, "x must be [batch, len, parts * d], got ", x.sizes());
@@ -297,6 +301,7 @@ Tensor qkv_forward(const Tensor& x, const Tensor& bias, int64_t num_heads, int64
   check_like(bias, x, "bias", "x");
   check_shape(bias, {C}, "bias");
   const int64_t D = C / num_parts / num_heads;
+  check_tokens(B, T);
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = torch::empty({num_parts, B, num_heads, T, D}, x.options());
   ls::qkv_forward(dtype_of(x, "x"), x.data_ptr(), bias.data_ptr(), out.data_ptr(), int(B), int(T), int(num_parts),
@@ -310,6 +315,7 @@ std::tuple<Tensor, Tensor> qkv_backward(const Tensor& dy, double first_scale,
   check(dy, "dy");
   TORCH_CHECK(dy.dim() == 5, "dy must be [parts, batch, heads, len, d_head], got ", dy.sizes());
   const int64_t P = dy.size(0), B = dy.size(1), H = dy.size(2), T = dy.size(3), D = dy.size(4);
+  check_tokens(B, T);
   const c10::cuda::CUDAGuard guard(dy.device());
   auto dx = torch::empty({B, T, P * H * D}, dy.options());
   auto [dbias, dbias_out] = grad_out(dbias_into, dy, {P * H * D}, "dbias_into");
@@ -359,9 +365,13 @@ Tensor table_gradient(const Tensor& dout, const std::optional<Tensor>& mask, con
                       const char* name) {
   const int64_t dim = dout.size(-1);
   auto [dtable, dtable_out] = grad_out(into, dout, {rows, dim}, name, /*zeroed=*/true);
-  auto [sorted, order] = ids.reshape({-1}).sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
-  ls::embedding_backward(dtype_of(dout, "dout"), dout.data_ptr(), mask_ptr(mask), sorted.data_ptr<int64_t>(),
-                         order.data_ptr<int64_t>(), dtable_out, ids.numel(), int(dim), float(scale),
+  TORCH_CHECK(rows < (int64_t(1) << 31) && ids.numel() < (int64_t(1) << 31), name,
+              ": the table's rows and the number of ids must be below 2^31, got ", rows, " and ", ids.numel());
+  const auto flat = ids.reshape({-1}).contiguous();
+  auto workspace = torch::empty({int64_t(ls::embedding_backward_workspace_bytes(flat.numel(), rows))},
+                                dout.options().dtype(at::kByte));
+  ls::embedding_backward(dtype_of(dout, "dout"), dout.data_ptr(), mask_ptr(mask), flat.data_ptr<int64_t>(),
+                         workspace.data_ptr(), dtable_out, flat.numel(), rows, int(dim), float(scale),
                          int(padding_idx), float(p), stream());
   CHECK_CUDA_OK();
   return dtable;

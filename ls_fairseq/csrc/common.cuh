@@ -160,25 +160,52 @@ __device__ __forceinline__ __half round_stochastic<__half>(float x, unsigned r) 
   return float(r >> 8) * (1.0f / 16777216.0f) < frac ? hi : lo;
 }
 
-// Keep-bits of the dropout mask for elements 4g .. 4g+3 of one call's tensor:
-// a pure function of (seed, offset, element index), whatever the launch shape.
-__device__ __forceinline__ void keep4(const RngState& rng, uint64_t g, float p, bool (&keep)[4]) {
+// Keep-bits of the dropout mask for elements 8g .. 8g+7 of one call's tensor: a
+// pure function of (seed, offset, element index), whatever the launch shape. One
+// Philox call gives 128 bits, 16 per element: element i is kept when its 16-bit
+// uniform u satisfies u >= p * 65536 (rounded up), i.e. with probability
+// 1 - ceil(65536 p) / 65536, within 2^-16 of 1 - p. Philox is the costly part of a
+// dropout kernel (10 rounds of two 32-bit multiply-highs): 16 bits an element
+// halve it against 32.
+__device__ __forceinline__ void keep8(const RngState& rng, uint64_t g, float p, bool (&keep)[8]) {
   if (rng.given) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) keep[i] = rng.given[4 * g + i] != 0;
+    for (int i = 0; i < 8; ++i) keep[i] = rng.given[8 * g + i] != 0;
     return;
   }
   const uint4 r = random4(rng, g);
   const unsigned w[4] = {r.x, r.y, r.z, r.w};
+  const unsigned threshold = unsigned(ceilf(p * 65536.f));
 #pragma unroll
-  for (int i = 0; i < 4; ++i) keep[i] = float(w[i] >> 8) * (1.0f / 16777216.0f) >= p;
+  for (int i = 0; i < 4; ++i) {
+    keep[2 * i] = (w[i] & 0xFFFFu) >= threshold;
+    keep[2 * i + 1] = (w[i] >> 16) >= threshold;
+  }
 }
 
-__device__ __forceinline__ bool keep1(const RngState& rng, uint64_t i, float p) {
-  if (rng.given) return rng.given[i] != 0;
-  bool k[4];
-  keep4(rng, i >> 2, p, k);
-  return k[i & 3];
+// Keep-bits of N consecutive elements from e (e a multiple of N when N < 8, of 8 otherwise).
+template <int N>
+__device__ __forceinline__ void keep_run(const RngState& rng, uint64_t e, float p, bool (&keep)[N]) {
+  bool k[8];
+  if constexpr (N >= 8) {
+#pragma unroll
+    for (int i = 0; i < N; i += 8) {
+      keep8(rng, (e + i) >> 3, p, k);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) keep[i + j] = k[j];
+    }
+  } else {
+    keep8(rng, e >> 3, p, k);
+#pragma unroll
+    for (int i = 0; i < N; ++i) keep[i] = k[(e & 7) + i];
+  }
+}
+
+__device__ __forceinline__ bool keep1(const RngState& rng, uint64_t e, float p) {
+  if (rng.given) return rng.given[e] != 0;
+  bool k[1];
+  keep_run<1>(rng, e, p, k);
+  return k[0];
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }

@@ -21,17 +21,6 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2
   m = mx;
 }
 
-// The row's elements in 16-byte vectors (V) when the row allows, else one by one.
-template <typename T, int V, typename F>
-__device__ __forceinline__ void for_row(const T* x, int vocab, F&& f) {
-  for (int j = threadIdx.x * V; j < vocab; j += blockDim.x * V) {
-    float v[V];
-    load<T, V>(x + j, v);
-#pragma unroll
-    for (int i = 0; i < V; ++i) f(j + i, v[i]);
-  }
-}
-
 template <typename T, int V>
 __global__ void ce_forward_kernel(const T* __restrict__ logits, const int64_t* __restrict__ target,
                                   float* __restrict__ loss, float* __restrict__ nll, float* __restrict__ lse_out,
@@ -39,16 +28,28 @@ __global__ void ce_forward_kernel(const T* __restrict__ logits, const int64_t* _
   __shared__ float sm[32], ss[32], sx[32];
   const int64_t row = blockIdx.x;
   const T* x = logits + row * vocab;
+  // per vector of V logits: the running max moves (and s is rescaled) at most once, then one
+  // exp2 (one FMA before it) per element: no per-element branch
+  constexpr float kLog2e = 1.4426950408889634f;
   float m = -INFINITY, s = 0.f, sumx = 0.f;
-  for_row<T, V>(x, vocab, [&](int, float v) {  // one exp per element
-    sumx += v;
-    if (v > m) {
-      s = s * __expf(m - v) + 1.f;
-      m = v;
-    } else if (v != -INFINITY) {
-      s += __expf(v - m);
+  for (int j = threadIdx.x * V; j < vocab; j += blockDim.x * V) {
+    float v[V], vm = -INFINITY;
+    load<T, V>(x + j, v);
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      sumx += v[i];
+      vm = fmaxf(vm, v[i]);
     }
-  });
+    if (vm > m) {
+      s = m == -INFINITY ? 0.f : s * exp2f((m - vm) * kLog2e);
+      m = vm;
+    }
+    if (m != -INFINITY) {
+      const float ml = m * kLog2e;
+#pragma unroll
+      for (int i = 0; i < V; ++i) s += exp2f(fmaf(v[i], kLog2e, -ml));
+    }
+  }
   for (int o = 16; o > 0; o >>= 1) {
     const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
     lse_merge(m, s, m2, s2);

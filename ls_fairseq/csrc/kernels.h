@@ -78,10 +78,12 @@ void qkv_backward(DType dt, const void* dy, void* dx, GradOut dbias, float* part
 void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions, const void* weight,
                        const void* pos_weight, void* out, uint8_t* mask, int64_t n, int dim, float scale,
                        int padding_idx, float p, RngState rng, cudaStream_t stream);
-// sorted_ids: token (or position) ids sorted stably; order: the token index of each sorted entry
-void embedding_backward(DType dt, const void* dout, const uint8_t* mask, const int64_t* sorted_ids,
-                        const int64_t* order, GradOut dtable, int64_t n, int dim, float scale, int padding_idx,
-                        float p, cudaStream_t stream);
+// ids: the n token (or position) ids, each below rows (the table's rows, fewer than 2^31);
+// workspace: embedding_backward_workspace_bytes(n, rows) bytes for the sort
+size_t embedding_backward_workspace_bytes(int64_t n, int64_t rows);
+void embedding_backward(DType dt, const void* dout, const uint8_t* mask, const int64_t* ids, void* workspace,
+                        GradOut dtable, int64_t n, int64_t rows, int dim, float scale, int padding_idx, float p,
+                        cudaStream_t stream);
 
 // cross_entropy.cu: logits [n, vocab]
 void cross_entropy_forward(DType dt, const void* logits, const int64_t* target, float* loss, float* nll, float* lse,

@@ -2,10 +2,13 @@
 // key-padding mask [B, Tk] and the causal mask applied on the fly (never
 // expanded in memory), fused with dropout. A fully masked row gives zeros.
 // Launch shapes are chosen per row length at compile time, as LightSeq2 does:
-// rows of up to 1024 keys are held in registers by GROUP lanes of a warp (8
-// lanes for up to 32 keys, so four short rows share a warp; 32 lanes with
-// ITEMS = 4 .. 32 keys each for longer ones), read once and written once;
-// longer rows (no cap) take a block each and loop.
+// rows of up to 1024 keys are held in registers by GROUP lanes of a warp (4
+// lanes for up to 32 keys, so eight short rows share a warp; 32 lanes with
+// ITEMS = 8 .. 32 keys each for longer ones), read once and written once;
+// longer rows (no cap) take a block each and loop. When the row length is a
+// multiple of 8 (and the pointers allow), a lane owns 8 consecutive keys per
+// item group: 16-byte loads and stores, one Philox call per 8 keep-bits;
+// otherwise lanes interleave key by key.
 // Writes probs (backward needs them) and, with dropout, the dropped copy and a
 // one-byte keep-mask. Backward: dp = dout * mask / (1 - p);
 // dscores = probs * (dp - sum_j dp_j * probs_j).
@@ -46,8 +49,14 @@ __device__ __forceinline__ float group_sum(float v) {
   return v;
 }
 
+// Key of item k of a lane: CONTIG, runs of 8 consecutive keys per lane; else lanes interleave.
+template <int ITEMS, int GROUP, bool CONTIG>
+__device__ __forceinline__ int key_of(int lane, int k) {
+  return CONTIG ? lane * ITEMS + k : lane + GROUP * k;
+}
+
 // GROUP lanes per row (32 / GROUP rows per warp), ITEMS keys per lane, the row in registers.
-template <typename T, int ITEMS, int GROUP>
+template <typename T, int ITEMS, int GROUP, bool CONTIG>
 __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
                                             T* __restrict__ probs, uint8_t* __restrict__ mask, int64_t rows, float p,
                                             RngState rng) {
@@ -58,32 +67,46 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
   const RowMask masked(info, valid ? row : 0);
   float v[ITEMS], m = -INFINITY;
 #pragma unroll
-  for (int k = 0; k < ITEMS; ++k) {
-    const int j = lane + GROUP * k;
-    v[k] = (valid && j < tk && !masked(j)) ? to_f(s[j]) : -INFINITY;
-    m = fmaxf(m, v[k]);
+  for (int k0 = 0; k0 < ITEMS; k0 += CONTIG ? 8 : 1) {
+    const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
+    constexpr int N = CONTIG ? 8 : 1;
+    float t[N];
+    const bool in = valid && j0 < tk;  // CONTIG: tk % 8 == 0, so a run is all in or all out
+    if (in) load<T, N>(s + j0, t);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      v[k0 + i] = (in && !masked(j0 + i)) ? t[i] : -INFINITY;
+      m = fmaxf(m, v[k0 + i]);
+    }
   }
   m = group_max<GROUP>(m);
   float sum = 0.f;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
-    v[k] = m == -INFINITY ? 0.f : expf(v[k] - m);
+    v[k] = m == -INFINITY ? 0.f : __expf(v[k] - m);  // ex2.approx: a few ulp where the probabilities matter
     sum += v[k];
   }
   sum = group_sum<GROUP>(sum);
   if (!valid) return;
   const float inv = sum > 0.f ? 1.f / sum : 0.f, scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
 #pragma unroll
-  for (int k = 0; k < ITEMS; ++k) {
-    const int j = lane + GROUP * k;
-    if (j < tk) {
-      const T pr = from_f<T>(v[k] * inv);
-      probs[row * tk + j] = pr;
-      if (p > 0.f) {
-        const bool keep = keep1(rng, row * tk + j, p);
-        if (mask) mask[row * tk + j] = keep;
-        out[row * tk + j] = from_f<T>(keep ? to_f(pr) * scale : 0.f);
-      }
+  for (int k0 = 0; k0 < ITEMS; k0 += CONTIG ? 8 : 1) {
+    constexpr int N = CONTIG ? 8 : 1;
+    const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
+    if (j0 >= tk) continue;
+    const int64_t e = row * tk + j0;
+    float pr[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) pr[i] = to_f(from_f<T>(v[k0 + i] * inv));  // as stored: out drops the stored value
+    store<T, N>(probs + e, pr);
+    if (p > 0.f) {
+      bool keep[N];
+      if constexpr (CONTIG) keep_run<8>(rng, e, p, keep);
+      else keep[0] = keep1(rng, e, p);
+      if (mask) store_mask<N>(mask + e, keep);
+#pragma unroll
+      for (int i = 0; i < N; ++i) pr[i] = keep[i] ? pr[i] * scale : 0.f;
+      store<T, N>(out + e, pr);
     }
   }
 }
@@ -118,28 +141,46 @@ __global__ void softmax_forward_block_kernel(const T* __restrict__ scores, RowIn
   }
 }
 
-template <typename T, int ITEMS, int GROUP>
+template <typename T, int ITEMS, int GROUP, bool CONTIG>
 __global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ probs,
                                              const uint8_t* __restrict__ mask, T* __restrict__ ds, int64_t rows,
                                              int tk, float p) {
+  constexpr int N = CONTIG ? 8 : 1;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
   const int lane = threadIdx.x % GROUP;
   const bool valid = row < rows;
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
   float dp[ITEMS], pr[ITEMS], dot = 0.f;
 #pragma unroll
-  for (int k = 0; k < ITEMS; ++k) {
-    const int64_t e = row * tk + lane + GROUP * k;
-    const bool in = valid && lane + GROUP * k < tk;
-    pr[k] = in ? to_f(probs[e]) : 0.f;
-    dp[k] = in && (!mask || mask[e]) ? to_f(dout[e]) * scale : 0.f;
-    dot += dp[k] * pr[k];
+  for (int k0 = 0; k0 < ITEMS; k0 += N) {
+    const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
+    const int64_t e = row * tk + j0;
+    float d[N], q[N];
+    bool keep[N];
+    const bool in = valid && j0 < tk;
+    if (in) {
+      load<T, N>(probs + e, q);
+      load<T, N>(dout + e, d);
+      if (mask) load_mask<N>(mask + e, keep);
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      pr[k0 + i] = in ? q[i] : 0.f;
+      dp[k0 + i] = in && (!mask || keep[i]) ? d[i] * scale : 0.f;
+      dot += dp[k0 + i] * pr[k0 + i];
+    }
   }
   dot = group_sum<GROUP>(dot);
   if (!valid) return;
 #pragma unroll
-  for (int k = 0; k < ITEMS; ++k)
-    if (lane + GROUP * k < tk) ds[row * tk + lane + GROUP * k] = from_f<T>(pr[k] * (dp[k] - dot));
+  for (int k0 = 0; k0 < ITEMS; k0 += N) {
+    const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
+    if (j0 >= tk) continue;
+    float g[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) g[i] = pr[k0 + i] * (dp[k0 + i] - dot);
+    store<T, N>(ds + row * tk + j0, g);
+  }
 }
 
 template <typename T>
@@ -157,18 +198,30 @@ __global__ void softmax_backward_block_kernel(const T* __restrict__ dout, const 
   }
 }
 
-// Calls launch.template operator()<ITEMS, GROUP>() with the row layout for tk (a
+// Calls launch.template operator()<ITEMS, GROUP, CONTIG>() with the row layout for tk (a
 // short row shares a warp with others), or returns false when tk needs the block path.
+// CONTIG (tk % 8 == 0 and every pointer aligned to 8 elements): runs of 8 keys per lane.
 template <typename L>
-bool with_row_layout(int tk, L&& launch) {
-  if (tk <= 32) return launch.template operator()<4, 8>(), true;
-  if (tk <= 64) return launch.template operator()<4, 16>(), true;
-  if (tk <= 128) return launch.template operator()<4, 32>(), true;
-  if (tk <= 256) return launch.template operator()<8, 32>(), true;
-  if (tk <= 512) return launch.template operator()<16, 32>(), true;
-  if (tk <= 1024) return launch.template operator()<32, 32>(), true;
+bool with_row_layout(int tk, bool contig, L&& launch) {
+  if (contig) {
+    if (tk <= 32) return launch.template operator()<8, 4, true>(), true;
+    if (tk <= 64) return launch.template operator()<8, 8, true>(), true;
+    if (tk <= 128) return launch.template operator()<8, 16, true>(), true;
+    if (tk <= 256) return launch.template operator()<8, 32, true>(), true;
+    if (tk <= 512) return launch.template operator()<16, 32, true>(), true;
+    if (tk <= 1024) return launch.template operator()<32, 32, true>(), true;
+    return false;
+  }
+  if (tk <= 32) return launch.template operator()<4, 8, false>(), true;
+  if (tk <= 64) return launch.template operator()<4, 16, false>(), true;
+  if (tk <= 128) return launch.template operator()<4, 32, false>(), true;
+  if (tk <= 256) return launch.template operator()<8, 32, false>(), true;
+  if (tk <= 512) return launch.template operator()<16, 32, false>(), true;
+  if (tk <= 1024) return launch.template operator()<32, 32, false>(), true;
   return false;
 }
+
+inline bool aligned_to(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 constexpr int kThreads = 128;
 
@@ -178,8 +231,11 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
   if (rows == 0 || tk == 0) return;
   RowInfo info{key_padding, causal, heads, tq, tk};
   LS_DISPATCH(dt, {
-    const bool warp = with_row_layout(tk, [&]<int ITEMS, int GROUP>() {
-      softmax_forward_warp_kernel<T, ITEMS, GROUP><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
+    const int run = 8 * sizeof(T);
+    const bool contig = tk % 8 == 0 && aligned_to(scores, run) && aligned_to(probs, run) &&
+                        (p == 0.f || (aligned_to(out, run) && aligned_to(mask, 8)));
+    const bool warp = with_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
+      softmax_forward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
           (const T*)scores, info, (T*)out, (T*)probs, mask, rows, p, rng);
     });
     if (!warp)
@@ -192,8 +248,11 @@ void softmax_backward(DType dt, const void* dout, const void* probs, const uint8
                       int64_t rows, int tk, float p, cudaStream_t stream) {
   if (rows == 0 || tk == 0) return;
   LS_DISPATCH(dt, {
-    const bool warp = with_row_layout(tk, [&]<int ITEMS, int GROUP>() {
-      softmax_backward_warp_kernel<T, ITEMS, GROUP><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
+    const int run = 8 * sizeof(T);
+    const bool contig = tk % 8 == 0 && aligned_to(dout, run) && aligned_to(probs, run) && aligned_to(dscores, run) &&
+                        aligned_to(mask, 8);
+    const bool warp = with_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
+      softmax_backward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
           (const T*)dout, (const T*)probs, mask, (T*)dscores, rows, tk, p);
     });
     if (!warp)
