@@ -139,18 +139,30 @@ def benches(dtype):
     rows.append(("qkv", qkv_inputs, 2 * 3 * n * s, 2 * 3 * n * s, qkv_stock,
                  lambda x, b, dy: QKVFunction.apply(x, b, HEADS, 3, (HIDDEN // HEADS) ** -0.5)))
 
-    # embedding: scaled lookup + sinusoidal positions + dropout
-    def emb_inputs():
-        tokens = torch.randint(4, VOCAB, (B, SENT_LEN), device="cuda")
+    # embedding: scaled lookup + sinusoidal positions + dropout; ids uniform, or Zipf-distributed as
+    # in real text (id r with probability ~ 1/r: the most frequent ids fill runs of hundreds of tokens)
+    zipf = 1.0 / torch.arange(1, VOCAB - 3, device="cuda", dtype=torch.float64)
+
+    def emb_inputs(zipfian=False):
+        if zipfian:
+            tokens = (torch.multinomial(zipf, B * SENT_LEN, replacement=True) + 4).view(B, SENT_LEN)
+        else:
+            tokens = torch.randint(4, VOCAB, (B, SENT_LEN), device="cuda")
         return [tokens, ops.make_positions(tokens, 1), rand(VOCAB, HIDDEN, dtype=dtype).requires_grad_(),
                 rand(B, SENT_LEN, HIDDEN, dtype=dtype)]
 
     table = sinusoidal(torch.arange(1100, device="cuda"), HIDDEN, 1).to(dtype)
 
     # backward writes the whole dense table gradient (zeros where no token), as stock's does
-    rows.append(("embedding", emb_inputs, n * (2 * s + 1), n * (2 * s + 1) + VOCAB * HIDDEN * s,
-                 lambda t, pos, w, dy: F.dropout(HIDDEN**0.5 * F.embedding(t, w, padding_idx=1) + table.index_select(0, pos.view(-1)).view(B, SENT_LEN, -1), P),
-                 lambda t, pos, w, dy: ops.embedding(t, pos, w, None, HIDDEN**0.5, 1, P)))
+    def emb_stock(t, pos, w, dy):
+        return F.dropout(HIDDEN**0.5 * F.embedding(t, w, padding_idx=1) + table.index_select(0, pos.view(-1)).view(B, SENT_LEN, -1), P)
+
+    def emb_ls(t, pos, w, dy):
+        return ops.embedding(t, pos, w, None, HIDDEN**0.5, 1, P)
+
+    for name, zipfian in (("embedding", False), ("embedding (Zipf ids)", True)):
+        rows.append((name, lambda zipfian=zipfian: emb_inputs(zipfian), n * (2 * s + 1),
+                     n * (2 * s + 1) + VOCAB * HIDDEN * s, emb_stock, emb_ls))
 
     # cross_entropy: logits [tokens, vocab]
     v = TOKENS * VOCAB

@@ -368,7 +368,7 @@ Tensor table_gradient(const Tensor& dout, const std::optional<Tensor>& mask, con
   TORCH_CHECK(rows < (int64_t(1) << 31) && ids.numel() < (int64_t(1) << 31), name,
               ": the table's rows and the number of ids must be below 2^31, got ", rows, " and ", ids.numel());
   const auto flat = ids.reshape({-1}).contiguous();
-  auto workspace = torch::empty({int64_t(ls::embedding_backward_workspace_bytes(flat.numel(), rows))},
+  auto workspace = torch::empty({int64_t(ls::embedding_backward_workspace_bytes(flat.numel(), rows, int(dim)))},
                                 dout.options().dtype(at::kByte));
   ls::embedding_backward(dtype_of(dout, "dout"), dout.data_ptr(), mask_ptr(mask), flat.data_ptr<int64_t>(),
                          workspace.data_ptr(), dtable_out, flat.numel(), rows, int(dim), float(scale),

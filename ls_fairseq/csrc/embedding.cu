@@ -4,12 +4,17 @@
 // Fuses: lookup, scale, positional add, padding zeroing, dropout (Philox mask,
 // one byte per element kept for backward).
 // Backward: dtable[t] = sum over tokens i with token_i = t != pad of
-// scale * dout[i] * mask / (1 - p), accumulated in fp32 registers without
-// atomics: the ids are sorted beforehand (a stable radix sort of 32-bit keys over
-// only the bits the table needs, so a 32k vocabulary takes two 8-bit passes) and
-// one block walks each run of equal ids in position order, four rows in flight at
-// a time, so the result is deterministic. Padding rows and ids absent from the
-// batch are not written: the caller zeroes the table, or accumulates into a
+// scale * dout[i] * mask / (1 - p), accumulated in fp32 without atomics, so the
+// result is deterministic: the ids are sorted beforehand (a stable radix sort of
+// 32-bit keys over only the bits the table needs: two 8-bit passes for a 32k
+// vocabulary), which lines up each id's tokens as a run of sorted positions. The
+// sorted positions are cut into chunks of kPieceRows; one block sums the piece of
+// a run inside one chunk (four rows in flight), so a frequent token's long run
+// (hundreds of tokens of "," or "the" in a real batch) is summed by many blocks,
+// not walked by one. A run inside one chunk is written to the table at once; a
+// run across chunks leaves its pieces' fp32 sums in the chunks' head/tail slots,
+// and a second kernel adds them in chunk order. Padding rows and ids absent from
+// the batch are not written: the caller zeroes the table, or accumulates into a
 // gradient (ls_adam's workspace) that holds what it held.
 #include <cub/device/device_radix_sort.cuh>
 
@@ -44,18 +49,39 @@ struct EmbForward {
   __device__ void finish(int64_t, int, float (&)[N]) const {}
 };
 
-constexpr int kRunRows = 4;  // rows of a run in flight per thread
+constexpr int kRunRows = 4;     // rows of a piece in flight per thread
+constexpr int kPieceRows = 32;  // sorted positions per chunk: the most rows one block sums
 
+// The table row `id` from a run's fp32 sum: scaled, written or added.
 template <typename T, int V>
-__global__ void embedding_backward_kernel(const T* __restrict__ dout, const uint8_t* __restrict__ mask,
-                                          const int* __restrict__ sorted_ids, const int* __restrict__ order,
-                                          T* __restrict__ dtable, bool accumulate, int64_t n, int dim, float scale,
-                                          int padding_idx, float p) {
-  const int64_t k = blockIdx.x;
+__device__ __forceinline__ void write_row(T* dtable, bool accumulate, int id, int dim, int c, float scale,
+                                          const float (&acc)[V]) {
+  T* const out = dtable + int64_t(id) * dim + c;
+  float o[V];
+  if (accumulate) load<T, V>(out, o);
+#pragma unroll
+  for (int i = 0; i < V; ++i) o[i] = accumulate ? o[i] + acc[i] * scale : acc[i] * scale;
+  store<T, V>(out, o);
+}
+
+// Block k sums the piece that starts at sorted position k (a run's start, or a chunk's
+// start inside a run) up to the run's or the chunk's end. Its sum goes to the table (the
+// whole run), to the chunk's head slot (a run continued from the previous chunk) or to
+// its tail slot (a run that continues into the next chunk): pieces[(2 chunk + slot) dim].
+template <typename T, int V>
+__global__ void embedding_backward_piece_kernel(const T* __restrict__ dout, const uint8_t* __restrict__ mask,
+                                                const int* __restrict__ sorted_ids, const int* __restrict__ order,
+                                                T* __restrict__ dtable, bool accumulate, float* __restrict__ pieces,
+                                                int64_t n, int dim, float scale, int padding_idx, float p) {
+  const int64_t k = blockIdx.x, chunk = k / kPieceRows;
   const int id = sorted_ids[k];
-  if (id == padding_idx || (k > 0 && sorted_ids[k - 1] == id)) return;  // one block per run of equal ids
+  const bool run_start = k == 0 || sorted_ids[k - 1] != id;
+  if (id == padding_idx || !(run_start || k % kPieceRows == 0)) return;
+  const int64_t chunk_end = (chunk + 1) * kPieceRows < n ? (chunk + 1) * kPieceRows : n;
   int64_t end = k + 1;
-  while (end < n && sorted_ids[end] == id) ++end;
+  while (end < chunk_end && sorted_ids[end] == id) ++end;
+  const bool continues = end == chunk_end && end < n && sorted_ids[end] == id;
+  float* const slot = !run_start ? pieces + 2 * chunk * dim : continues ? pieces + (2 * chunk + 1) * dim : nullptr;
   const float drop = p > 0.f ? 1.f / (1.f - p) : 1.f;
   for (int c = (blockIdx.y * blockDim.x + threadIdx.x) * V; c < dim; c += gridDim.y * blockDim.x * V) {
     float acc[V] = {};
@@ -79,12 +105,34 @@ __global__ void embedding_backward_kernel(const T* __restrict__ dout, const uint
 #pragma unroll
         for (int i = 0; i < V; ++i) acc[i] += keep[u][i] ? v[u][i] * drop : 0.f;
     }
-    T* const out = dtable + int64_t(id) * dim + c;
-    float o[V];
-    if (accumulate) load<T, V>(out, o);
+    if (slot) {
 #pragma unroll
-    for (int i = 0; i < V; ++i) o[i] = accumulate ? o[i] + acc[i] * scale : acc[i] * scale;
-    store<T, V>(out, o);
+      for (int i = 0; i < V; ++i) slot[c + i] = acc[i];
+    } else {
+      write_row<T, V>(dtable, accumulate, id, dim, c, scale, acc);
+    }
+  }
+}
+
+// Block c joins the run that crosses from chunk c into chunk c + 1, when it starts in
+// chunk c: chunk c's tail slot, then the head slots of the chunks it continues into.
+template <typename T, int V>
+__global__ void embedding_backward_join_kernel(const int* __restrict__ sorted_ids, const float* __restrict__ pieces,
+                                               T* __restrict__ dtable, bool accumulate, int64_t n, int dim,
+                                               float scale, int padding_idx) {
+  const int64_t c = blockIdx.x, last = (c + 1) * kPieceRows - 1;
+  if (last + 1 >= n) return;
+  const int id = sorted_ids[last];
+  if (id == padding_idx || sorted_ids[last + 1] != id) return;  // no run crosses into chunk c + 1
+  if (c > 0 && sorted_ids[c * kPieceRows - 1] == id) return;   // started earlier: joined by that chunk's block
+  for (int col = (blockIdx.y * blockDim.x + threadIdx.x) * V; col < dim; col += gridDim.y * blockDim.x * V) {
+    float acc[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc[i] = pieces[(2 * c + 1) * dim + col + i];
+    for (int64_t c2 = c + 1; c2 * kPieceRows < n && sorted_ids[c2 * kPieceRows] == id; ++c2)
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += pieces[2 * c2 * dim + col + i];
+    write_row<T, V>(dtable, accumulate, id, dim, col, scale, acc);
   }
 }
 
@@ -103,22 +151,30 @@ int key_bits(int64_t rows) {
   return bits;
 }
 
-// The sort's buffers inside the caller's workspace: keys and order in and out (n ints
-// each, 256-byte aligned), then cub's temporary storage.
-struct SortBuffers {
+// The backward's buffers inside the caller's workspace: keys and order in and out (n
+// ints each), the pieces' head/tail slots (2 x chunks x dim floats), each 256-byte
+// aligned, then cub's temporary storage.
+size_t aligned256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+int64_t piece_chunks(int64_t n) { return (n + kPieceRows - 1) / kPieceRows; }
+
+struct BackwardBuffers {
   int *keys_in, *order_in, *keys_out, *order_out;
+  float* pieces;
   void* temp;
   size_t temp_bytes;
-  SortBuffers(void* base, int64_t n, size_t temp_bytes_) : temp_bytes(temp_bytes_) {
-    const size_t slot = (size_t(n) * sizeof(int) + 255) / 256 * 256;
+  BackwardBuffers(void* base, int64_t n, int dim, size_t temp_bytes_) : temp_bytes(temp_bytes_) {
+    const size_t slot = aligned256(size_t(n) * sizeof(int));
     char* b = static_cast<char*>(base);
     keys_in = reinterpret_cast<int*>(b);
     order_in = reinterpret_cast<int*>(b + slot);
     keys_out = reinterpret_cast<int*>(b + 2 * slot);
     order_out = reinterpret_cast<int*>(b + 3 * slot);
-    temp = b + 4 * slot;
+    pieces = reinterpret_cast<float*>(b + 4 * slot);
+    temp = b + 4 * slot + pieces_bytes(n, dim);
   }
-  static size_t slots(int64_t n) { return 4 * ((size_t(n) * sizeof(int) + 255) / 256 * 256); }
+  static size_t pieces_bytes(int64_t n, int dim) { return aligned256(2 * size_t(piece_chunks(n)) * dim * sizeof(float)); }
+  static size_t bytes(int64_t n, int dim) { return 4 * aligned256(size_t(n) * sizeof(int)) + pieces_bytes(n, dim); }
 };
 
 size_t cub_temp_bytes(int64_t n, int64_t rows) {
@@ -128,8 +184,8 @@ size_t cub_temp_bytes(int64_t n, int64_t rows) {
   return bytes;
 }
 
-size_t embedding_backward_workspace_bytes(int64_t n, int64_t rows) {
-  return SortBuffers::slots(n) + cub_temp_bytes(n, rows);
+size_t embedding_backward_workspace_bytes(int64_t n, int64_t rows, int dim) {
+  return BackwardBuffers::bytes(n, dim) + cub_temp_bytes(n, rows);
 }
 
 void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions, const void* weight,
@@ -146,16 +202,19 @@ void embedding_backward(DType dt, const void* dout, const uint8_t* mask, const i
                         GradOut dtable, int64_t n, int64_t rows, int dim, float scale, int padding_idx, float p,
                         cudaStream_t stream) {
   if (n == 0) return;
-  SortBuffers sb(workspace, n, cub_temp_bytes(n, rows));
-  sort_input_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(ids, sb.keys_in, sb.order_in, n);
-  cub::DeviceRadixSort::SortPairs(sb.temp, sb.temp_bytes, sb.keys_in, sb.keys_out, sb.order_in, sb.order_out, n, 0,
+  BackwardBuffers bb(workspace, n, dim, cub_temp_bytes(n, rows));
+  sort_input_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(ids, bb.keys_in, bb.order_in, n);
+  cub::DeviceRadixSort::SortPairs(bb.temp, bb.temp_bytes, bb.keys_in, bb.keys_out, bb.order_in, bb.order_out, n, 0,
                                   key_bits(rows), stream);
   LS_DISPATCH(dt, {
     auto launch = [&]<int V>() {
       const int vectors = dim / V, threads = vectors < 256 ? (vectors + 31) / 32 * 32 : 256;
-      embedding_backward_kernel<T, V><<<dim3(n, ceil_div(vectors, threads)), threads, 0, stream>>>(
-          (const T*)dout, mask, sb.keys_out, sb.order_out, (T*)dtable.ptr, dtable.accumulate, n, dim, scale,
-          padding_idx, p);
+      const int col_blocks = ceil_div(vectors, threads);
+      embedding_backward_piece_kernel<T, V><<<dim3(n, col_blocks), threads, 0, stream>>>(
+          (const T*)dout, mask, bb.keys_out, bb.order_out, (T*)dtable.ptr, dtable.accumulate, bb.pieces, n, dim,
+          scale, padding_idx, p);
+      embedding_backward_join_kernel<T, V><<<dim3(piece_chunks(n), col_blocks), threads, 0, stream>>>(
+          bb.keys_out, bb.pieces, (T*)dtable.ptr, dtable.accumulate, n, dim, scale, padding_idx);
     };
     if (dim % kVec<T> == 0 && aligned16(dout) && aligned16(dtable.ptr))
       launch.template operator()<kVec<T>>();
