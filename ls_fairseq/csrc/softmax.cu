@@ -200,25 +200,23 @@ __global__ void softmax_backward_block_kernel(const T* __restrict__ dout, const 
 
 // Calls launch.template operator()<ITEMS, GROUP, CONTIG>() with the row layout for tk (a
 // short row shares a warp with others), or returns false when tk needs the block path.
-// CONTIG (tk % 8 == 0 and every pointer aligned to 8 elements): runs of 8 keys per lane.
+// CONTIG (tk % 8 == 0 and every pointer aligned to 8 elements): runs of ITEMS0 = 8 keys per
+// lane; otherwise lanes interleave, ITEMS0 = 4 keys each. Rows of up to 128 keys take
+// 128 / ITEMS0 lanes or fewer, longer ones a whole warp with more keys per lane.
+template <int ITEMS0, bool CONTIG, typename L>
+bool row_layout(int tk, L&& launch) {
+  if (tk <= 32) return launch.template operator()<ITEMS0, 32 / ITEMS0, CONTIG>(), true;
+  if (tk <= 64) return launch.template operator()<ITEMS0, 64 / ITEMS0, CONTIG>(), true;
+  if (tk <= 128) return launch.template operator()<ITEMS0, 128 / ITEMS0, CONTIG>(), true;
+  if (tk <= 256) return launch.template operator()<8, 32, CONTIG>(), true;
+  if (tk <= 512) return launch.template operator()<16, 32, CONTIG>(), true;
+  if (tk <= 1024) return launch.template operator()<32, 32, CONTIG>(), true;
+  return false;
+}
+
 template <typename L>
 bool with_row_layout(int tk, bool contig, L&& launch) {
-  if (contig) {
-    if (tk <= 32) return launch.template operator()<8, 4, true>(), true;
-    if (tk <= 64) return launch.template operator()<8, 8, true>(), true;
-    if (tk <= 128) return launch.template operator()<8, 16, true>(), true;
-    if (tk <= 256) return launch.template operator()<8, 32, true>(), true;
-    if (tk <= 512) return launch.template operator()<16, 32, true>(), true;
-    if (tk <= 1024) return launch.template operator()<32, 32, true>(), true;
-    return false;
-  }
-  if (tk <= 32) return launch.template operator()<4, 8, false>(), true;
-  if (tk <= 64) return launch.template operator()<4, 16, false>(), true;
-  if (tk <= 128) return launch.template operator()<4, 32, false>(), true;
-  if (tk <= 256) return launch.template operator()<8, 32, false>(), true;
-  if (tk <= 512) return launch.template operator()<16, 32, false>(), true;
-  if (tk <= 1024) return launch.template operator()<32, 32, false>(), true;
-  return false;
+  return contig ? row_layout<8, true>(tk, launch) : row_layout<4, false>(tk, launch);
 }
 
 inline bool aligned_to(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
