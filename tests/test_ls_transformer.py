@@ -182,7 +182,10 @@ def test_fused_layers_on_the_gpu_match_the_reference_layers(variant, dtype):
     stock's model as in ours), and each such flip is an O(1) error in one element of the FFN's gradient,
     which then reaches every layer below. With 6 sentences a layer sees ~10 flips, a Poisson count, so two
     models of equal precision differed by up to 4.9x per tensor by chance (both attention paths, 3 seeds:
-    docs/perf-log.md); with 96 the largest ratio over 5 seeds x 4 variants was 1.42x, the median 0.9x."""
+    docs/perf-log.md); with 96 the largest ratio over 5 seeds x 4 variants was 1.42x, the median 0.9x (CPU,
+    fp16). On the GPU the pre-LN variant with unscaled shared embeddings still fails: torch's memory-efficient
+    attention backward gives the top decoder layer's cross-attention query gradients 1.5-2.8x stock's error
+    (the fused softmax path: at most 1.6x); docs/perf-log.md, fourth session."""
     stock, ls, task = build_pair(torch.float64, left_pad_target=False, **VARIANTS[variant], **GPU_DIMS)
     net_input, _ = batch(task, B=96, S=33, T=17, seed=1)
     net_input = {k: v.cuda() for k, v in net_input.items()}
