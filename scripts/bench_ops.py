@@ -131,8 +131,8 @@ def benches(dtype):
 
     def qkv_stock(x, b, dy):
         q, k, v = (x + b).chunk(3, dim=-1)
-        heads = [t.reshape(B, SENT_LEN, HEADS, -1).transpose(1, 2).contiguous() for t in (q * (HIDDEN // HEADS) ** -0.5, k, v)]
-        return torch.stack(heads)
+        return tuple(t.reshape(B, SENT_LEN, HEADS, -1).transpose(1, 2).contiguous()
+                     for t in (q * (HIDDEN // HEADS) ** -0.5, k, v))
 
     # stock: fairseq's three contiguous head tensors; ls: the op's [3, B, heads, T, d_head] buffer,
     # of which split_heads returns the three views (no copy either way)
@@ -192,10 +192,13 @@ def bench_forward_backward(name, make, fwd_bytes, bwd_bytes, stock, ours, copy_b
                 fn(*args)
 
         def fwd_bwd(args, fn=fn):
-            out = fn(*args)
-            grad = args[-1] if args[-1] is not None and args[-1].shape == out.shape else torch.ones_like(out)
+            out, dy = fn(*args), args[-1]
+            if isinstance(out, tuple):  # parts of dy, stacked on its first dimension
+                outs, grads = out, dy.unbind(0)
+            else:
+                outs, grads = (out,), (dy if dy is not None and dy.shape == out.shape else torch.ones_like(out),)
             leaves = [a for a in args if torch.is_tensor(a) and a.requires_grad]
-            torch.autograd.grad(out, leaves, grad)
+            torch.autograd.grad(outs, leaves, grads)
 
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

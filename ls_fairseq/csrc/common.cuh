@@ -168,11 +168,6 @@ __device__ __forceinline__ __half round_stochastic<__half>(float x, unsigned r) 
 // dropout kernel (10 rounds of two 32-bit multiply-highs): 16 bits an element
 // halve it against 32.
 __device__ __forceinline__ void keep8(const RngState& rng, uint64_t g, float p, bool (&keep)[8]) {
-  if (rng.given) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) keep[i] = rng.given[8 * g + i] != 0;
-    return;
-  }
   const uint4 r = random4(rng, g);
   const unsigned w[4] = {r.x, r.y, r.z, r.w};
   const unsigned threshold = unsigned(ceilf(p * 65536.f));
@@ -183,9 +178,15 @@ __device__ __forceinline__ void keep8(const RngState& rng, uint64_t g, float p, 
   }
 }
 
-// Keep-bits of N consecutive elements from e (e a multiple of N when N < 8, of 8 otherwise).
+// Keep-bits of N consecutive elements from e (e a multiple of N when N < 8, of 8 otherwise):
+// the given mask's own bytes (none past element e + N - 1 is read), or Philox's.
 template <int N>
 __device__ __forceinline__ void keep_run(const RngState& rng, uint64_t e, float p, bool (&keep)[N]) {
+  if (rng.given) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) keep[i] = rng.given[e + i] != 0;
+    return;
+  }
   bool k[8];
   if constexpr (N >= 8) {
 #pragma unroll
@@ -202,7 +203,6 @@ __device__ __forceinline__ void keep_run(const RngState& rng, uint64_t e, float 
 }
 
 __device__ __forceinline__ bool keep1(const RngState& rng, uint64_t e, float p) {
-  if (rng.given) return rng.given[e] != 0;
   bool k[1];
   keep_run<1>(rng, e, p, k);
   return k[0];
