@@ -103,3 +103,25 @@ def test_deterministic_attention_repeats_bit_for_bit():
         out = ops.attention(*leaves, ops.AttentionMask(kpm), 0.1, True, deterministic=True)
         runs.append([out] + list(torch.autograd.grad(out, leaves, dout)))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_softmax_takes_the_lightseq_path(dtype):
+    """With ``fused_softmax`` the GPU runs GEMM -> fused masked softmax -> GEMM (probabilities and
+    the backward's row term from them), not SDPA: the same dropout draws give the reference's bits."""
+    B, H, Tq, Tk, D = 4, 8, 33, 21, 64
+    kernel("softmax", torch.empty(1, device="cuda"))
+    q = torch.randn(B, H, Tq, D, device="cuda").to(dtype)
+    k, v = (torch.randn(B, H, Tk, D, device="cuda").to(dtype) for _ in range(2))
+    dout = torch.randn(B, H, Tq, D, device="cuda").to(dtype)
+    kpm = torch.zeros(B, Tk, dtype=torch.bool, device="cuda")
+    kpm[2, -6:] = True
+    runs = []
+    for fn in (lambda *a: ops.attention(*a, 0.1, True, fused_softmax=True), lambda *a: attention_reference(*a, 0.1)):
+        torch.cuda.manual_seed(5)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, ops.AttentionMask(kpm))
+        runs.append([out] + list(torch.autograd.grad(out, leaves, dout)))
+    for a, b, name in zip(*runs, ("out", "dq", "dk", "dv")):
+        assert torch.equal(a, b), name

@@ -131,7 +131,8 @@ class DecoderLayer(_Layer):
         attn = self.encoder_attn
         h = self._norm(x, self.encoder_attn_layer_norm, True)
         (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight), attn.q_proj.bias, attn.num_heads, 1, attn.scaling)
-        ctx = ops.attention(q, enc_k, enc_v, enc_mask, self.attention_dropout, self.training, self.deterministic)
+        ctx = ops.attention(q, enc_k, enc_v, enc_mask, self.attention_dropout, self.training, self.deterministic,
+                            fused_softmax=True)
         out = ops.linear(ctx, attn.out_proj.weight, heads=True)
         x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training)
         x = self._norm(x, self.encoder_attn_layer_norm, False)

@@ -5,9 +5,17 @@ q arrives already scaled (the qkv op folds 1/sqrt(d_head) in). Two paths:
   the reference on CPU and the oracle everywhere;
 - torch's scaled_dot_product_attention, which never writes the Tq x Tk
   scores. Taken on CUDA unless the ``attention`` op is forced to the
-  reference (LS_FAIRSEQ_REFERENCE) or a deterministic training step is asked
+  reference (LS_FAIRSEQ_REFERENCE), a deterministic training step is asked
   for (FlashAttention's backward accumulates dq with atomic adds, so two runs
-  differ in the last bits; the LightSeq path's GEMMs and kernels do not). Its
+  differ in the last bits; the LightSeq path's GEMMs and kernels do not), or
+  the caller asks for the probabilities (``fused_softmax``): SDPA's backward
+  forms the softmax's row term sum_j P_ij dP_ij as rowsum(dO * O) from the
+  fp16/bf16 output, the LightSeq path from the probabilities and dP in fp32.
+  ls_transformer asks for them in cross-attention, where stock fairseq also
+  computes the probabilities explicitly in fp32 (its self-attention goes
+  through SDPA, as ours does): measured on the H200 (docs/perf-log.md), SDPA
+  there gave the top decoder layer's cross-attention query gradients 1.5-2.8x
+  stock's error against fp64 (pre-LN, unscaled shared embeddings). Its
   FlashAttention and memory-efficient kernels only: torch prefers cuDNN's
   attention on Hopper, which builds an execution plan for every new batch
   shape (about 10 ms of host time per call, measured on the H200:
@@ -82,9 +90,10 @@ def attention_reference(q, k, v, mask=None, p=0.0, training=True, dropout_mask=N
     return torch.matmul(probs, v)
 
 
-def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False):
+def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, fused_softmax=False):
     """softmax(q k^T + masks) v with dropout ``p`` on the probabilities; ``mask`` an AttentionMask;
-    ``deterministic``: bit-identical results run to run, in training too."""
+    ``deterministic``: bit-identical results run to run, in training too; ``fused_softmax``: the
+    probabilities materialised (the LightSeq path) even where SDPA could run."""
     if not (q.dim() == k.dim() == v.dim() == 4) or q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(
             "attention: q {}, k {}, v {} must be [batch, heads, len, d_head] with matching d_head and k/v lengths".format(
@@ -92,7 +101,7 @@ def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False):
             )
         )
     p = p if training else 0.0
-    if dispatch.use_kernel("attention", q) and not (deterministic and training):
+    if dispatch.use_kernel("attention", q) and not (deterministic and training) and not fused_softmax:
         attn_mask, is_causal = mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask else (None, False)
         with _backends():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal,
