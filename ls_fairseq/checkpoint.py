@@ -12,6 +12,14 @@ It also wraps fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` so that a
 refused, corrupt or truncated checkpoint fails with a message that names the
 file, the cause, and the other checkpoints beside it; the file is never
 modified (fairseq itself writes checkpoints to a temporary file and renames).
+
+Under data-parallel training every rank reads the checkpoint file itself
+(fairseq's ``--load-checkpoint-on-all-dp-ranks``, turned on by the wrapped
+``Trainer.load_checkpoint``): by default rank 0 reads it and pickles the
+loaded state to the other ranks, whose torch.load refuses it, since by then
+the state holds fairseq's configuration as an omegaconf DictConfig (measured
+on two H200s: resuming failed on rank 1). Each rank's load goes through the
+same allowlist, which stays as narrow as above.
 """
 import argparse
 import functools
@@ -60,10 +68,24 @@ def _guarded(load):
     return load_checkpoint_to_cpu
 
 
+def _on_every_rank(load_checkpoint):
+    @functools.wraps(load_checkpoint)
+    def trainer_load_checkpoint(trainer, *args, **kwargs):
+        if trainer.data_parallel_world_size > 1:
+            trainer.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
+        return load_checkpoint(trainer, *args, **kwargs)
+
+    trainer_load_checkpoint.ls_fairseq_guarded = True
+    return trainer_load_checkpoint
+
+
 def install():
     """Allowlist fairseq's checkpoint types and guard fairseq's checkpoint loading (idempotent)."""
     torch.serialization.add_safe_globals(list(FAIRSEQ_CHECKPOINT_TYPES))
     from fairseq import checkpoint_utils
+    from fairseq.trainer import Trainer
 
     if not getattr(checkpoint_utils.load_checkpoint_to_cpu, "ls_fairseq_guarded", False):
         checkpoint_utils.load_checkpoint_to_cpu = _guarded(checkpoint_utils.load_checkpoint_to_cpu)
+    if not getattr(Trainer.load_checkpoint, "ls_fairseq_guarded", False):
+        Trainer.load_checkpoint = _on_every_rank(Trainer.load_checkpoint)

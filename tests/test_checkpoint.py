@@ -42,3 +42,19 @@ def test_truncated_checkpoint_names_the_file_and_its_neighbours(tmp_path):
     with pytest.raises(CheckpointLoadError, match=r"checkpoint_last\.pt is corrupt or truncated.*checkpoint1\.pt"):
         checkpoint_utils.load_checkpoint_to_cpu(str(bad))
     assert bad.read_bytes() == before
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_every_data_parallel_rank_reads_the_checkpoint_itself(tmp_path, world_size):
+    """fairseq's default has rank 0 pickle the loaded state (its configuration an omegaconf DictConfig)
+    to the other ranks, whose weights_only torch.load refuses it; under data-parallel training the
+    plugin makes every rank load the file through the allowlist instead."""
+    from types import SimpleNamespace
+
+    from fairseq.trainer import Trainer
+    from omegaconf import OmegaConf
+
+    trainer = SimpleNamespace(data_parallel_world_size=world_size,
+                              cfg=OmegaConf.create({"checkpoint": {"load_checkpoint_on_all_dp_ranks": False}}))
+    assert Trainer.load_checkpoint(trainer, str(tmp_path / "none.pt")) is None
+    assert trainer.cfg.checkpoint.load_checkpoint_on_all_dp_ranks == (world_size > 1)

@@ -67,12 +67,15 @@ def run(system, arch, max_tokens, gpus, data, epochs, work):
     with_ls = prefix == "ls_"
     name = "{}-{}-{}".format(arch, system, max_tokens) + ("-{}gpus".format(gpus) if gpus > 1 else "")
     hooks_out = os.path.join(work, name + ".hooks.json")
-    distributed = ["--distributed-world-size", str(gpus)] + (["--ddp-backend", "legacy_ddp"] if with_ls else [])
+    # the world size always given: fairseq-train otherwise takes every visible GPU
+    distributed = ["--distributed-world-size", str(gpus)]
+    if gpus > 1 and with_ls:
+        distributed += ["--ddp-backend", "legacy_ddp"]
     cmd = [sys.executable, "-m", entry, data, "--user-dir", os.path.join(HERE, "bench_hooks"),
            "--arch", prefix + ARCHS[arch], "--criterion", criterion, "--optimizer", optimizer,
            "--max-tokens", str(max_tokens), "--max-epoch", str(epochs),
            "--tensorboard-logdir", os.path.join(work, "tensorboard", name)] + precision + COMMON
-    cmd += distributed if gpus > 1 else []
+    cmd += distributed
     env = dict(os.environ, BENCH_HOOKS_OUT=hooks_out, BENCH_WITH_LS="1" if with_ls else "0",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for key, value in NO_MULTICAST.items():
