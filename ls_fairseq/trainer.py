@@ -10,7 +10,9 @@ the three places where fairseq's trainer reads the GPU every update:
 - the per-step rounding of every logged value (``_reduce_and_log_stats``):
   values stay device tensors in fairseq's meters until fairseq prints them.
 So the host can queue the next update while the GPU still runs this one. With
-any other optimizer it is fairseq's Trainer unchanged.
+any other optimizer it is fairseq's Trainer unchanged. With ``--ls-cuda-graphs``
+the task's train_step replays each batch shape's forward and backward from a
+CUDA graph (ls_fairseq/cuda_graphs.py).
 
 Logged per interval, as fairseq does: ``gnorm`` (mean over the steps that were
 taken), ``clip`` (percentage of those that were clipped), ``loss_scale`` (fp16),
@@ -23,6 +25,7 @@ from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 
+from ls_fairseq.cuda_graphs import GraphedTrainStep
 from ls_fairseq.optim.mixed_precision import DeviceStepAdam
 
 
@@ -59,11 +62,28 @@ class LSTrainer(Trainer):
             super()._check_grad_norms(grad_norm)
 
     def train_step(self, samples, raise_oom=False):
+        if getattr(self.cfg.model, "ls_cuda_graphs", False) and not isinstance(self.task.train_step, GraphedTrainStep):
+            self._check_cuda_graphs()
+            self.task.train_step = GraphedTrainStep(self.task.train_step)
         logging_output = super().train_step(samples, raise_oom)
         scaler = getattr(self.optimizer, "scaler", None)
         if self.device_step and scaler is not None and self.get_num_updates() % self.cfg.common.log_interval == 0:
             scaler.check()
         return logging_output
+
+    def _check_cuda_graphs(self):
+        """--ls-cuda-graphs captures what must stay on the device: say which option stands in the way."""
+        needs = "--ls-cuda-graphs needs "
+        if self.cfg.common.cpu or not torch.cuda.is_available():
+            raise ValueError(needs + "a CUDA GPU")
+        if not self.device_step:
+            raise ValueError(needs + "--optimizer ls_adam (its loss scale and step decided on the device)")
+        if not hasattr(self.criterion, "losses"):
+            raise ValueError(needs + "--criterion ls_label_smoothed_cross_entropy")
+        if getattr(self.criterion, "report_accuracy", False):
+            raise ValueError(needs + "no --report-accuracy (it reads the counts back to the host every step)")
+        if self.data_parallel_world_size > 1 and self.cfg.distributed_training.ddp_backend != "legacy_ddp":
+            raise ValueError(needs + "--ddp-backend legacy_ddp with several GPUs (one all-reduce after backward)")
 
     def _reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
         if not self.device_step:

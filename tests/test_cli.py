@@ -173,6 +173,37 @@ def test_gpu_resume_continues_bit_identically(data_bin, tmp_path, precision):
                sa["state"][k] == sb["state"][k] for k in sa["state"]), "optimizer state differs after the resume"
 
 
+def test_cuda_graphs_without_a_gpu_fail_clearly(data_bin, tmp_path):
+    import sys
+
+    cmd = [sys.executable, "-m", "ls_fairseq.train", str(data_bin / "data-bin"), "--save-dir", str(tmp_path)]
+    proc = run(cmd + TRAIN + ["--max-update", "1", "--ls-cuda-graphs"])
+    assert proc.returncode != 0 and "--ls-cuda-graphs needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_replay_the_eager_steps_bit_for_bit(data_bin, tmp_path):
+    """--ls-cuda-graphs with --ls-deterministic and dropout on: 30 updates, most of them replayed from
+    captured graphs (batches of 32 sentences padded to multiples of 32 tokens share a few shapes),
+    end with the same bits in every parameter as 30 eager updates."""
+    import sys
+
+    gpu = [a for a in TRAIN if a != "--cpu"] + ["--fp16", "--ls-deterministic", "--attention-dropout", "0.1",
+                                                  "--disable-validation", "--no-epoch-checkpoints", "--max-update", "30",
+                                                  "--max-tokens", "4096", "--batch-size", "32",
+                                                  "--required-seq-len-multiple", "32"]
+    cmd = [sys.executable, "-m", "ls_fairseq.train", str(data_bin / "data-bin")]
+    logs = {}
+    for name, extra in (("eager", []), ("graphs", ["--ls-cuda-graphs"])):
+        proc = run(cmd + gpu + extra + ["--save-dir", str(tmp_path / name)])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        logs[name] = proc.stdout + proc.stderr
+    assert "CUDA graph" not in logs["eager"] and "CUDA graph 1 captured" in logs["graphs"], logs["graphs"][-3000:]
+    a, b = (torch.load(tmp_path / name / "checkpoint_last.pt", weights_only=True) for name in ("eager", "graphs"))
+    differ = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
+    assert not differ, "parameters differ between eager and replayed steps: {}".format(differ)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["--fp16", "--bf16"])
 def test_two_gpus_train_resume_and_keep_the_ranks_identical(data_bin, tmp_path, precision):

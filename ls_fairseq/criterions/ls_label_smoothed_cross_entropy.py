@@ -37,12 +37,37 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
         self.peak_flops = ls_peak_tflops * 1e12
 
     def forward(self, model, sample, reduce=True):
-        loss, sample_size, logging_output = super().forward(model, sample, reduce)
+        if self.report_accuracy:  # fairseq's forward, which reads the accuracy counts back from the device
+            loss, sample_size, logging_output = super().forward(model, sample, reduce)
+            return loss, sample_size, self._with_flops(model, sample, logging_output)
+        loss, nll_loss = self.losses(model, sample, reduce)
+        return (loss,) + self.logging_outputs(model, sample, loss, nll_loss)
+
+    def losses(self, model, sample, reduce=True):
+        """(loss, nll_loss) of ``sample``: the device's part of forward, which a CUDA graph of the
+        training step captures (ls_fairseq.cuda_graphs)."""
+        net_output = model(**sample["net_input"])
+        return self.compute_loss(model, net_output, sample, reduce=reduce)
+
+    def logging_outputs(self, model, sample, loss, nll_loss):
+        """(sample_size, logging_output) as fairseq's criterion forms them: the host's part of forward,
+        from ``sample`` and the two losses (device tensors)."""
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        logging_output = {
+            "loss": loss.data,
+            "nll_loss": nll_loss.data,
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample_size,
+        }
+        return sample_size, self._with_flops(model, sample, logging_output)
+
+    def _with_flops(self, model, sample, logging_output):
         flops = getattr(model, "training_flops", None)
         if flops is not None:
             logging_output["ls_flops"] = flops(sample)
             logging_output["ls_peak_flops"] = self.peak_flops
-        return loss, sample_size, logging_output
+        return logging_output
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

@@ -64,13 +64,16 @@ void check_probability(double p, const char* op) {
 
 cudaStream_t stream() { return at::cuda::getCurrentCUDAStream(); }
 
-// The next (seed, offset) of torch's default CUDA generator (which advances, so --seed reproduces runs).
+// The next (seed, offset) of torch's default CUDA generator (which advances, so --seed reproduces runs);
+// under CUDA graph capture, the device state torch updates before every replay.
 ls::RngState philox_state() {
   auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt,
                                                                  at::cuda::detail::getDefaultCUDAGenerator());
   std::lock_guard<std::mutex> lock(gen->mutex_);
-  const auto seeds = gen->philox_engine_inputs(4);
-  return ls::RngState{seeds.first, seeds.second, nullptr};
+  const at::PhiloxCudaState st = gen->philox_cuda_state(4);
+  if (st.captured_)
+    return ls::RngState{0, 0, nullptr, st.seed_.ptr, st.offset_.ptr, uint64_t(st.offset_intragraph_)};
+  return ls::RngState{st.seed_.val, st.offset_.val, nullptr};
 }
 
 // The keep-mask for a dropout call: the given one, or a new one drawn from Philox.

@@ -129,10 +129,13 @@ __device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
 }
 
 // Four random words for elements 4g .. 4g+3 of one call's tensor: a pure function
-// of (seed, offset, element index), whatever the launch shape.
+// of (seed, offset, element index), whatever the launch shape. (seed, offset) are
+// read from the generator's device state when the call was captured in a CUDA graph.
 __device__ __forceinline__ uint4 random4(const RngState& rng, uint64_t g) {
-  return philox(make_uint4(unsigned(g), unsigned(g >> 32), unsigned(rng.offset), unsigned(rng.offset >> 32)),
-                make_uint2(unsigned(rng.seed), unsigned(rng.seed >> 32)));
+  const uint64_t seed = rng.seed_ptr ? uint64_t(*rng.seed_ptr) : rng.seed;
+  const uint64_t offset = rng.offset_ptr ? uint64_t(*rng.offset_ptr) + rng.offset_intragraph : rng.offset;
+  return philox(make_uint4(unsigned(g), unsigned(g >> 32), unsigned(offset), unsigned(offset >> 32)),
+                make_uint2(unsigned(seed), unsigned(seed >> 32)));
 }
 
 // x rounded to T stochastically with the random word r: up (away from zero) with

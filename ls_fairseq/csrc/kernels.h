@@ -14,11 +14,17 @@ enum class DType { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 // Where a dropout call's keep-mask comes from: Philox under the key and
 // counter offset that torch's CUDA generator hands out, or, when `given` is
 // set, that mask (one byte per element), so kernel and reference can be
-// compared on the same mask.
+// compared on the same mask. Inside a CUDA graph capture the generator hands
+// out device pointers instead (seed_ptr, offset_ptr: torch rewrites them
+// before each replay, so every replay draws new masks) and this call's offset
+// within the graph.
 struct RngState {
   uint64_t seed;
   uint64_t offset;
   const uint8_t* given;
+  const int64_t* seed_ptr = nullptr;
+  const int64_t* offset_ptr = nullptr;
+  uint64_t offset_intragraph = 0;
 };
 
 // A parameter's gradient a backward kernel produces: written, or, with

@@ -83,6 +83,14 @@ class LSTransformerConfig(FairseqDataclass):
             "fused masked softmax, as LightSeq2 does, instead of FlashAttention, whose backward adds with atomics"
         },
     )
+    ls_cuda_graphs: bool = field(
+        default=False,
+        metadata={
+            "help": "ls-fairseq-train on a GPU: capture each batch shape's forward and backward in a CUDA graph "
+            "at its second occurrence and replay it from then on (one launch instead of ~800 from the host); "
+            "pair with --required-seq-len-multiple 8 or more so that batches share shapes"
+        },
+    )
 
 
 def _embedding(num_embeddings, embedding_dim, padding_idx):
@@ -334,6 +342,7 @@ def base_architecture(args):
     args.max_source_positions = getattr(args, "max_source_positions", None) or DEFAULT_MAX_POSITIONS
     args.max_target_positions = getattr(args, "max_target_positions", None) or DEFAULT_MAX_POSITIONS
     args.ls_deterministic = getattr(args, "ls_deterministic", False)
+    args.ls_cuda_graphs = getattr(args, "ls_cuda_graphs", False)
 
 
 @register_model_architecture("ls_transformer", "ls_transformer_tiny")

@@ -45,6 +45,9 @@ SYSTEMS = {
     "stock-fp16": ("", "label_smoothed_cross_entropy", "adam", ["--fp16"], "fairseq_cli.train"),
     "ls-fp16": LS + (["--memory-efficient-fp16"], "ls_fairseq.train"),
     "ls-fp16-master": LS + (["--fp16"], "ls_fairseq.train"),
+    # forward and backward replayed from a CUDA graph per batch shape (captured at a shape's second batch;
+    # lengths padded to multiples of 8 so that batches share shapes): see --steady-from-epoch
+    "ls-fp16-graphs": LS + (["--fp16", "--ls-cuda-graphs", "--required-seq-len-multiple", "8"], "ls_fairseq.train"),
     "ls-bf16": LS + (["--memory-efficient-bf16"], "ls_fairseq.train"),
     "ls-bf16-master": LS + (["--bf16"], "ls_fairseq.train"),
     # the plugin under plain fairseq-train --user-dir: fairseq's FP16Optimizer and host-side checks
@@ -60,7 +63,7 @@ def flops_per_target_token(arch, vocab=32000, length=30.0):
     return training_flops_per_target_token(d, f, enc, dec, vocab, length * 28.0 / 30.0, length, 28.0 / 30.0)
 
 
-def run(system, arch, max_tokens, gpus, data, epochs, work):
+def run(system, arch, max_tokens, gpus, data, epochs, work, steady_from=2):
     """One fairseq-train run; ``gpus`` > 1: fairseq's data-parallel training over that many GPUs
     (--max-tokens per GPU), the plugin's gradients all-reduced over its workspace (legacy_ddp)."""
     prefix, criterion, optimizer, precision, entry = SYSTEMS[system]
@@ -95,13 +98,11 @@ def run(system, arch, max_tokens, gpus, data, epochs, work):
         with open(hooks_out) as f:
             hooks = json.load(f)
     profiled = hooks.get("profiled_updates", [])
-    first, steady = [], []
+    steady = []
     for m in re.finditer(r"\| train_inner \| epoch (\d+):.*", log):
         fields = dict(re.findall(r"(\w+)=([\d.]+)", m.group(0)))
         update = int(fields["num_updates"])
-        if int(m.group(1)) == 1:
-            first.append(fields)
-        elif not any(update - LOG_INTERVAL < u <= update for u in profiled):
+        if int(m.group(1)) >= steady_from and not any(update - LOG_INTERVAL < u <= update for u in profiled):
             steady.append(fields)
     first_epoch = re.search(r"\| train \| epoch 001 \|.*? wps ([\d.]+)", log)
     if steady:
@@ -192,11 +193,14 @@ def main():
     parser.add_argument("--archs", default="big")
     parser.add_argument("--systems", default="stock-fp16,ls-fp16-master,ls-bf16-master", help=", ".join(SYSTEMS))
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--steady-from-epoch", type=int, default=2,
+                        help="steady state: the log intervals from this epoch on (ls-fp16-graphs captures a shape at "
+                        "its second batch, mostly in epoch 2 of the synthetic data: use 3 with --epochs 4)")
     parser.add_argument("--pairs", type=int, default=24000)
     parser.add_argument("--gpus", default="1", help="GPU counts, e.g. 1,2 (data-parallel, --max-tokens per GPU)")
     args = parser.parse_args()
-    if args.epochs < 2:
-        parser.error("--epochs must be at least 2: a warm-up epoch and a measured one")
+    if not 2 <= args.steady_from_epoch <= args.epochs:
+        parser.error("--steady-from-epoch must be at least 2 (after a warm-up epoch) and at most --epochs")
     if args.full:
         args.max_tokens, args.archs = "512,1024,2048,4096,8192,16384", "big,base"
     os.makedirs(args.out, exist_ok=True)
@@ -210,7 +214,7 @@ def main():
               for g in args.gpus.split(",")]
     for arch, max_tokens, gpus in points:
         for system in args.systems.split(","):
-            r = run(system, arch, max_tokens, gpus, data, args.epochs, work)
+            r = run(system, arch, max_tokens, gpus, data, args.epochs, work, args.steady_from_epoch)
             results.append(r)
             print(json.dumps(r), flush=True)
             with open(os.path.join(args.out, "results.json"), "w") as f:

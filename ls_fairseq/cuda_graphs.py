@@ -1,0 +1,88 @@
+"""The training step's forward and backward replayed from CUDA graphs, one per batch shape.
+
+On the H200 the host's side of an ls_transformer step (Python, autograd and ~800
+kernel launches) takes longer than the GPU's side (42 ms against 25 ms for
+transformer-big at 8,192 tokens: docs/perf-log.md), so the GPU idles. A captured
+graph launches the same kernels from one call. ``ls-fairseq-train
+--ls-cuda-graphs`` wraps the task's ``train_step`` in ``GraphedTrainStep``:
+
+- the first batch of a shape (every tensor of ``net_input`` and ``target``) runs
+  eagerly, which also warms up what the capture needs (cuBLAS plans, lazily
+  loaded kernels); the second is captured and replayed, later ones replayed. With
+  ``--required-seq-len-multiple 8`` (or more) most batches share a few shapes.
+- The graph holds the criterion's ``losses`` (forward and loss) and the
+  optimizer's ``backward``: gradients are accumulated into the gradient
+  workspace at fixed addresses, dropout draws from torch's generator through
+  its graph-safe state (every replay draws new masks), and the loss scale is a
+  device tensor, read at replay. What fairseq needs on the host (sample size,
+  logging output) comes from the criterion's ``logging_outputs`` for each batch.
+- Every graph allocates from one shared memory pool: only one graph runs at a
+  time and the tensors a graph returns stay alive, so no graph's output is
+  another graph's scratch. Replays clone the two losses, which fairseq's meters
+  keep until they print.
+- After ``max_graphs`` shapes, new shapes run eagerly.
+"""
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _shape_key(sample):
+    """The shapes and dtypes of the tensors a step reads, in a fixed order."""
+    tensors = sorted(sample["net_input"].items()) + [("target", sample["target"])]
+    return tuple((name, tuple(t.shape), t.dtype) for name, t in tensors if torch.is_tensor(t))
+
+
+def _device_inputs(sample):
+    return [t for _, t in sorted(sample["net_input"].items()) if torch.is_tensor(t)] + [sample["target"]]
+
+
+class _Graph:
+    def __init__(self, sample, model, criterion, optimizer, pool):
+        # the graph's inputs: copies of this batch's tensors at fixed addresses
+        self.sample = dict(sample, net_input=dict(sample["net_input"]))
+        for name, t in sample["net_input"].items():
+            if torch.is_tensor(t):
+                self.sample["net_input"][name] = t.clone()
+        self.sample["target"] = sample["target"].clone()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            loss, nll_loss = criterion.losses(model, self.sample)
+            optimizer.backward(loss)
+        self.loss, self.nll_loss = loss.detach(), nll_loss.detach()
+
+    def replay(self, sample):
+        for static, t in zip(_device_inputs(self.sample), _device_inputs(sample)):
+            static.copy_(t)
+        self.graph.replay()
+        return self.loss.clone(), self.nll_loss.clone()
+
+
+class GraphedTrainStep:
+    """A drop-in for ``task.train_step`` (ls criterion, ls_adam's device step, CUDA)."""
+
+    def __init__(self, train_step, max_graphs=256):
+        self.train_step = train_step
+        self.max_graphs = max_graphs
+        self.graphs = {}
+        self.seen = set()
+        self.pool = None
+
+    def __call__(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        key = _shape_key(sample)
+        graph = self.graphs.get(key)
+        if graph is None and (ignore_grad or key not in self.seen or len(self.graphs) >= self.max_graphs):
+            self.seen.add(key)
+            return self.train_step(sample, model, criterion, optimizer, update_num, ignore_grad=ignore_grad)
+        model.train()
+        model.set_num_updates(update_num)
+        if graph is None:
+            graph = self.graphs[key] = _Graph(sample, model, criterion, optimizer, self.pool)
+            self.pool = self.pool or graph.graph.pool()
+            logger.info("ls_fairseq: CUDA graph %d captured for the batch shape %s",
+                        len(self.graphs), " ".join("{}={}".format(name, list(shape)) for name, shape, _ in key))
+        loss, nll_loss = graph.replay(sample)
+        sample_size, logging_output = criterion.logging_outputs(model, sample, loss, nll_loss)
+        return loss, sample_size, logging_output
