@@ -26,7 +26,6 @@ from fairseq.optim.adam import Adam as FairseqAdamImpl
 from ls_fairseq import ops
 from ls_fairseq.ops import dispatch
 from ls_fairseq.ops.embedding import sinusoidal
-from ls_fairseq.ops.qkv import QKVFunction
 
 TOKENS, HIDDEN, FFN, HEADS, VOCAB, SENT_LEN = 8192, 1024, 4096, 16, 32000, 32
 L2_BYTES = 60 << 20
@@ -134,10 +133,10 @@ def benches(dtype):
         return tuple(t.reshape(B, SENT_LEN, HEADS, -1).transpose(1, 2).contiguous()
                      for t in (q * (HIDDEN // HEADS) ** -0.5, k, v))
 
-    # stock: fairseq's three contiguous head tensors; ls: the op's [3, B, heads, T, d_head] buffer,
-    # of which split_heads returns the three views (no copy either way)
+    # stock: fairseq's three contiguous head tensors; ls: three views of the op's [3, B, heads, T, d_head]
+    # buffer, whose gradients its backward takes one by one (no copy either way)
     rows.append(("qkv", qkv_inputs, 2 * 3 * n * s, 2 * 3 * n * s, qkv_stock,
-                 lambda x, b, dy: QKVFunction.apply(x, b, HEADS, 3, (HIDDEN // HEADS) ** -0.5)))
+                 lambda x, b, dy: ops.split_heads(x, b, HEADS, 3, (HIDDEN // HEADS) ** -0.5)))
 
     # embedding: scaled lookup + sinusoidal positions + dropout; ids uniform, or Zipf-distributed as
     # in real text (id r with probability ~ 1/r: the most frequent ids fill runs of hundreds of tokens)

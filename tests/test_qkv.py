@@ -27,6 +27,16 @@ def test_merge_heads_inverts_split():
     assert torch.equal(ops.merge_heads(k), x[..., 12:24])
 
 
+def test_a_part_without_gradient_counts_as_zero():
+    x = torch.randn(2, 3, 12, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(12, dtype=torch.float64, requires_grad=True)
+    q, k, v = ops.split_heads(x, b, 2, 3, 0.5)
+    dx, db = torch.autograd.grad((q * 2).sum() + v.sum(), (x, b))
+    assert torch.equal(dx[..., 4:8], torch.zeros_like(dx[..., 4:8]))
+    assert torch.equal(dx[..., :4], torch.ones_like(dx[..., :4]))  # 2 x the query scale 0.5
+    assert torch.equal(db, dx.sum((0, 1)))
+
+
 def test_gradcheck():
     x = torch.randn(2, 3, 12, dtype=torch.float64, requires_grad=True)
     b = torch.randn(12, dtype=torch.float64, requires_grad=True)
@@ -40,19 +50,23 @@ def test_indivisible_width_is_an_error():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,T,H,D,parts", [(2, 7, 4, 64, 3), (3, 33, 16, 64, 1), (1, 1, 2, 6, 2), (4, 257, 16, 64, 12)])
-def test_kernel_matches_reference(dtype, B, T, H, D, parts):
+@pytest.mark.parametrize(
+    "B,T,H,D,parts,missing",
+    [(2, 7, 4, 64, 3, ()), (3, 33, 16, 64, 1, ()), (1, 1, 2, 6, 2, ()), (4, 257, 16, 64, 12, (5,)),
+     (2, 9, 2, 8, 18, (0, 17))],  # 18 parts: two launches (16 parts each at most); missing parts: no gradient
+)
+def test_kernel_matches_reference(dtype, B, T, H, D, parts, missing):
     x = torch.randn(B, T, parts * H * D, device="cuda").to(dtype)
     b = torch.randn(parts * H * D, device="cuda").to(dtype)
-    dy = torch.randn(parts, B, H, T, D, device="cuda").to(dtype)
+    dys = [None if k in missing else torch.randn(B, H, T, D, device="cuda").to(dtype) for k in range(parts)]
     ext = kernel("qkv", x)
     poison()
     out = ext.qkv_forward(x, b, H, parts, D**-0.5)
     poison()
-    dx, db = ext.qkv_backward(dy, D**-0.5, None)
+    dx, db = ext.qkv_backward(dys, D**-0.5, None)
     out64 = qkv_forward_reference(x.double(), b.double(), H, parts, D**-0.5)
-    dx64, db64 = qkv_backward_reference(dy.double(), D**-0.5)
+    dx64, db64 = qkv_backward_reference([None if g is None else g.double() for g in dys], D**-0.5)
     out_l = qkv_forward_reference(x, b, H, parts, D**-0.5)
-    dx_l, db_l = qkv_backward_reference(dy, D**-0.5)
+    dx_l, db_l = qkv_backward_reference(dys, D**-0.5)
     for o, ref, low, name in ((out, out64, out_l, "out"), (dx, dx64, dx_l, "dx"), (db, db64, db_l, "dbias")):
         check_kernel(o, ref, low, name)

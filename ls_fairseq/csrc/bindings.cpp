@@ -11,6 +11,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "kernels.h"
 
@@ -313,17 +314,29 @@ Tensor qkv_forward(const Tensor& x, const Tensor& bias, int64_t num_heads, int64
   return out;
 }
 
-std::tuple<Tensor, Tensor> qkv_backward(const Tensor& dy, double first_scale,
+std::tuple<Tensor, Tensor> qkv_backward(const std::vector<std::optional<Tensor>>& dys, double first_scale,
                                         const std::optional<Tensor>& dbias_into) {
-  check(dy, "dy");
-  TORCH_CHECK(dy.dim() == 5, "dy must be [parts, batch, heads, len, d_head], got ", dy.sizes());
-  const int64_t P = dy.size(0), B = dy.size(1), H = dy.size(2), T = dy.size(3), D = dy.size(4);
+  const Tensor* like = nullptr;
+  for (const auto& g : dys)
+    if (g && !like) like = &*g;
+  TORCH_CHECK(like, "qkv_backward: no part has a gradient (got ", dys.size(), " parts, all None)");
+  check(*like, "dy");
+  TORCH_CHECK(like->dim() == 4, "each part's dy must be [batch, heads, len, d_head], got ", like->sizes());
+  std::vector<const void*> parts;
+  for (const auto& g : dys) {
+    if (g) {
+      check_like(*g, *like, "dy", "the first given part's dy");
+      check_shape(*g, like->sizes(), "dy");
+    }
+    parts.push_back(g ? g->data_ptr() : nullptr);
+  }
+  const int64_t P = int64_t(dys.size()), B = like->size(0), H = like->size(1), T = like->size(2), D = like->size(3);
   check_tokens(B, T);
-  const c10::cuda::CUDAGuard guard(dy.device());
-  auto dx = torch::empty({B, T, P * H * D}, dy.options());
-  auto [dbias, dbias_out] = grad_out(dbias_into, dy, {P * H * D}, "dbias_into");
-  auto partial = torch::empty({ls::column_chunks(B * T) * P * H * D}, dy.options().dtype(at::kFloat));
-  ls::qkv_backward(dtype_of(dy, "dy"), dy.data_ptr(), dx.data_ptr(), dbias_out, partial.data_ptr<float>(), int(B),
+  const c10::cuda::CUDAGuard guard(like->device());
+  auto dx = torch::empty({B, T, P * H * D}, like->options());
+  auto [dbias, dbias_out] = grad_out(dbias_into, *like, {P * H * D}, "dbias_into");
+  auto partial = torch::empty({ls::column_chunks(B * T) * P * H * D}, like->options().dtype(at::kFloat));
+  ls::qkv_backward(dtype_of(*like, "dy"), parts.data(), dx.data_ptr(), dbias_out, partial.data_ptr<float>(), int(B),
                    int(T), int(P), int(H), int(D), float(first_scale), stream());
   CHECK_CUDA_OK();
   return {dx, dbias};

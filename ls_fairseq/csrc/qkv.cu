@@ -4,8 +4,10 @@
 // for a query). x + bias is never written in the GEMM's layout; the permuted
 // copy is the only write. parts = 3: self-attention q, k, v; parts = 2L: the
 // keys and values of all L decoder layers' cross-attention from one GEMM.
-// Backward: dx[b, t, c] = dy[part, b, head, t, i] (x first_scale for part 0),
-// dbias = column sum of dx, fused into the same pass.
+// Backward: dx[b, t, c] = dy_part[b, head, t, i] (x first_scale for part 0),
+// dbias = column sum of dx, fused into the same pass. Each part's gradient comes
+// as its own tensor (as autograd hands them over), so they are never stacked into
+// one [parts, ...] copy first.
 #include "common.cuh"
 #include "reduce.cuh"
 
@@ -58,20 +60,30 @@ __global__ void qkv_forward_kernel(const T* __restrict__ x, const T* __restrict_
   }
 }
 
+// This launch's parts of dy, each [B, heads, T, d_head] (nullptr: a part without gradient, zero).
+struct PartGrads {
+  const void* p[kQkvMaxParts];
+};
+
 template <typename T>
 struct QkvBackwardMap {
-  const T* dy;
-  T* dx;
-  HeadLayout L;
-  float first_scale;
-  template <int N>  // N columns inside one head (head_dim % N == 0)
+  PartGrads dy;
+  T* dx;              // the launch's first column of dx
+  int64_t dx_stride;  // columns of dx: parts * d of the whole op
+  int len, heads, head_dim;
+  float first_scale;  // for the launch's first part (1 unless it is the op's first)
+  template <int N>    // N columns inside one head (head_dim % N == 0)
   __device__ void operator()(int64_t r, int c, float (&v)[1][N]) const {
-    const int cols = L.parts * L.heads * L.head_dim;
-    const float s = c < L.heads * L.head_dim ? first_scale : 1.f;
-    load<T, N>(dy + L.split_offset(int(r), c), v[0]);
+    const int d = heads * head_dim, part = c / d, h = (c % d) / head_dim, i = c % head_dim;
+    const T* g = static_cast<const T*>(dy.p[part]);
+    if (g) {
+      const int b = int(r) / len, t = int(r) - b * len;
+      load<T, N>(g + ((int64_t(b) * heads + h) * len + t) * head_dim + i, v[0]);
+    }
+    const float s = part == 0 ? first_scale : 1.f;
 #pragma unroll
-    for (int i = 0; i < N; ++i) v[0][i] *= s;
-    store<T, N>(dx + r * cols + c, v[0]);
+    for (int k = 0; k < N; ++k) v[0][k] = g ? v[0][k] * s : 0.f;
+    store<T, N>(dx + r * dx_stride + c, v[0]);
   }
 };
 
@@ -94,13 +106,23 @@ void qkv_forward(DType dt, const void* x, const void* bias, void* out, int batch
   })
 }
 
-void qkv_backward(DType dt, const void* dy, void* dx, GradOut dbias, float* partial, int batch, int len, int parts,
-                  int heads, int head_dim, float first_scale, cudaStream_t stream) {
-  HeadLayout L{batch, len, parts, heads, head_dim};
+void qkv_backward(DType dt, const void* const* dy, void* dx, GradOut dbias, float* partial, int batch, int len,
+                  int parts, int heads, int head_dim, float first_scale, cudaStream_t stream) {
+  const int64_t rows = int64_t(batch) * len;
+  const int d = heads * head_dim;
   LS_DISPATCH(dt, {
-    const bool vec = head_dim % kVec<T> == 0 && aligned16(dy) && aligned16(dx);
-    map_column_sum<T, 1>(QkvBackwardMap<T>{(const T*)dy, (T*)dx, L, first_scale}, vec, GradOuts<1>{{dbias}}, partial,
-                         int64_t(batch) * len, parts * heads * head_dim, stream);
+    bool vec = head_dim % kVec<T> == 0 && aligned16(dx);
+    for (int k = 0; k < parts; ++k) vec = vec && aligned16(dy[k]);
+    // parts in groups of kQkvMaxParts: each group is its own range of dx's and dbias' columns
+    for (int p0 = 0; p0 < parts; p0 += kQkvMaxParts) {
+      const int n = parts - p0 < kQkvMaxParts ? parts - p0 : kQkvMaxParts;
+      PartGrads g{};
+      for (int k = 0; k < n; ++k) g.p[k] = dy[p0 + k];
+      const QkvBackwardMap<T> f{g, (T*)dx + int64_t(p0) * d, int64_t(parts) * d, len, heads, head_dim,
+                                p0 == 0 ? first_scale : 1.f};
+      const GradOut group_bias{static_cast<T*>(dbias.ptr) + int64_t(p0) * d, dbias.accumulate};
+      map_column_sum<T, 1>(f, vec, GradOuts<1>{{group_bias}}, partial, rows, n * d, stream);
+    }
   })
 }
 

@@ -24,26 +24,35 @@ def qkv_forward_reference(x, bias, num_heads, num_parts, first_scale):
     return (y * scale).to(x.dtype).contiguous()
 
 
-def qkv_backward_reference(dy, first_scale, dbias_into=None):
-    # dy [parts, B, heads, T, d_head] -> dx [B, T, parts * d]; dbias = sum over B, T of dx
+def qkv_backward_reference(dys, first_scale, dbias_into=None):
+    # dys: each part's dy [B, heads, T, d_head] (None: zero) -> dx [B, T, parts * d]; dbias = sum over B, T of dx
+    like = next(g for g in dys if g is not None)
+    dy = torch.stack([dispatch.upcast(like.new_zeros(like.shape) if g is None else g) for g in dys])
     P, B, H, T, D = dy.shape
-    scale = torch.ones(P, 1, 1, 1, 1, device=dy.device)
+    scale = torch.ones(P, 1, 1, 1, 1, device=dy.device, dtype=dy.dtype)
     scale[0] = first_scale
-    dx = (dispatch.upcast(dy) * scale).permute(1, 3, 0, 2, 4).reshape(B, T, P * H * D)
-    return dispatch.with_bias_gradient(dx, dy.dtype, dbias_into)
+    dx = (dy * scale).permute(1, 3, 0, 2, 4).reshape(B, T, P * H * D)
+    return dispatch.with_bias_gradient(dx, like.dtype, dbias_into)
 
 
 class QKVFunction(torch.autograd.Function):
+    """Returns the parts as separate outputs (views of one [parts, B, heads, T, d_head] buffer), so that
+    backward receives each part's gradient as autograd made it: unbinding outside would have autograd
+    stack them into one new tensor first (a copy of all of dy, and one more kernel, per call)."""
+
     @staticmethod
     def forward(ctx, x, bias, num_heads, num_parts, first_scale):
         fwd, bwd = dispatch.implementation("qkv", x, qkv_forward_reference, qkv_backward_reference)
         ctx.bwd, ctx.first_scale, ctx.bias = bwd, first_scale, bias
-        return fwd(x.contiguous(), bias, num_heads, num_parts, first_scale)
+        ctx.set_materialize_grads(False)  # a part without gradient arrives as None, not as zeros
+        return fwd(x.contiguous(), bias, num_heads, num_parts, first_scale).unbind(0)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, *dys):
+        if all(g is None for g in dys):
+            return None, None, None, None, None
         into = dispatch.grad_in_place(ctx.bias)
-        dx, dbias = ctx.bwd(dy.contiguous(), ctx.first_scale, into)
+        dx, dbias = ctx.bwd([None if g is None else g.contiguous() for g in dys], ctx.first_scale, into)
         return dx, dispatch.for_autograd(dbias, into), None, None, None
 
 
@@ -55,9 +64,7 @@ def split_heads(x, bias, num_heads, num_parts, first_scale=1.0):
                 tuple(x.shape), num_parts, num_heads, tuple(bias.shape)
             )
         )
-    y = QKVFunction.apply(x, bias, num_heads, num_parts, first_scale)
-    # one part: a view, whose gradient is a view too (unbind's backward would stack one tensor: a copy)
-    return (y.squeeze(0),) if num_parts == 1 else y.unbind(0)
+    return QKVFunction.apply(x, bias, num_heads, num_parts, first_scale)
 
 
 def merge_heads(x):
