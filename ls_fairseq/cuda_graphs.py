@@ -73,7 +73,7 @@ class GraphedTrainStep:
     def __call__(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
         key = _shape_key(sample)
         graph = self.graphs.get(key)
-        if graph is None and (ignore_grad or key not in self.seen or len(self.graphs) >= self.max_graphs):
+        if ignore_grad or (graph is None and (key not in self.seen or len(self.graphs) >= self.max_graphs)):
             self.seen.add(key)
             return self.train_step(sample, model, criterion, optimizer, update_num, ignore_grad=ignore_grad)
         model.train()

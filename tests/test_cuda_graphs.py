@@ -1,0 +1,103 @@
+"""GraphedTrainStep's bookkeeping on the CPU, with a stand-in for torch's CUDA graphs (the replayed
+computation itself is compared with eager steps on the GPU in tests/test_cli.py)."""
+import contextlib
+
+import pytest
+import torch
+
+from ls_fairseq import cuda_graphs
+from ls_fairseq.cuda_graphs import GraphedTrainStep
+
+
+class FakeGraph:
+    captured = 0
+
+    def __init__(self):
+        self.replays = 0
+
+    def pool(self):
+        return "pool"
+
+    def replay(self):
+        self.replays += 1
+
+
+@contextlib.contextmanager
+def fake_capture(graph, pool=None):
+    FakeGraph.captured += 1
+    graph.pool_given = pool
+    yield
+
+
+class Criterion:
+    def losses(self, model, sample):
+        loss = sample["target"].float().sum()
+        return loss, loss / 2
+
+    def logging_outputs(self, model, sample, loss, nll_loss):
+        return sample["ntokens"], {"loss": loss, "nll_loss": nll_loss, "ntokens": sample["ntokens"]}
+
+
+class Model:
+    def train(self):
+        pass
+
+    def set_num_updates(self, n):
+        self.updates = n
+
+
+class Optimizer:
+    def __init__(self):
+        self.backwards = 0
+
+    def backward(self, loss):
+        self.backwards += 1
+
+
+def sample(B, T, fill):
+    tokens = torch.full((B, T), fill)
+    return {"net_input": {"src_tokens": tokens, "src_lengths": torch.full((B,), T), "prev_output_tokens": tokens},
+            "target": tokens.clone(), "ntokens": B * T + fill}
+
+
+@pytest.fixture
+def graphed(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    FakeGraph.captured = 0
+    eager = []
+
+    def train_step(sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        eager.append(sample["ntokens"])
+        return None, sample["ntokens"], {"eager": True}
+
+    return GraphedTrainStep(train_step, max_graphs=2), eager
+
+
+def test_first_batch_of_a_shape_eager_second_captured_then_replayed(graphed):
+    step, eager = graphed
+    model, criterion, optimizer = Model(), Criterion(), Optimizer()
+    step(sample(2, 3, 1), model, criterion, optimizer, 0)
+    assert eager == [7] and FakeGraph.captured == 0
+    loss, size, log = step(sample(2, 3, 2), model, criterion, optimizer, 1)
+    assert FakeGraph.captured == 1 and optimizer.backwards == 1 and model.updates == 1
+    assert size == 8 and log["ntokens"] == 8 and "eager" not in log
+    loss, size, log = step(sample(2, 3, 5), model, criterion, optimizer, 2)
+    graph = step.graphs[cuda_graphs._shape_key(sample(2, 3, 0))]
+    assert FakeGraph.captured == 1 and graph.graph.replays == 2 and optimizer.backwards == 1
+    # the graph reads the latest batch from its fixed input tensors; host values come from that batch
+    assert torch.equal(graph.sample["target"], sample(2, 3, 5)["target"]) and size == 11
+    # a replay's losses are copies: fairseq's meters keep them while the next replay runs
+    assert loss is not graph.loss and torch.equal(loss, graph.loss)
+
+
+def test_other_shapes_ignored_gradients_and_the_cap(graphed):
+    step, eager = graphed
+    args = (Model(), Criterion(), Optimizer())
+    for shape in ((2, 3), (2, 3), (4, 3), (4, 3), (2, 5), (2, 5)):
+        step(sample(*shape, 0), *args, 0)
+    assert len(step.graphs) == 2 and FakeGraph.captured == 2  # (2, 5) is past max_graphs: eager both times
+    assert len(eager) == 4
+    step(sample(2, 3, 0), *args, 0, ignore_grad=True)  # a dummy batch (loss x 0): eager
+    assert len(eager) == 5
+    assert all(g.graph.pool_given == (None if i == 0 else "pool") for i, g in enumerate(step.graphs.values()))
