@@ -194,8 +194,9 @@ def main():
     parser.add_argument("--systems", default="stock-fp16,ls-fp16-master,ls-bf16-master", help=", ".join(SYSTEMS))
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steady-from-epoch", type=int, default=2,
-                        help="steady state: the log intervals from this epoch on (ls-fp16-graphs captures a shape at "
-                        "its second batch, mostly in epoch 2 of the synthetic data: use 3 with --epochs 4)")
+                        help="steady state: the log intervals from this epoch on. ls-fp16-graphs captures a shape at its "
+                        "second batch; fairseq repeats an epoch's batches (shuffled), so from epoch 3 on every step "
+                        "replays (the synthetic data at 8,192 tokens: 107 batches an epoch, 66 shapes): use 3")
     parser.add_argument("--pairs", type=int, default=24000)
     parser.add_argument("--gpus", default="1", help="GPU counts, e.g. 1,2 (data-parallel, --max-tokens per GPU)")
     args = parser.parse_args()
