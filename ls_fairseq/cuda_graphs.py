@@ -29,24 +29,22 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def _inputs(sample):
+    """(name, tensor) of every tensor a step reads: net_input's in name order, then the target."""
+    named = sorted((item for item in sample["net_input"].items() if torch.is_tensor(item[1])), key=lambda i: i[0])
+    return named + [("target", sample["target"])]
+
+
 def _shape_key(sample):
-    """The shapes and dtypes of the tensors a step reads, in a fixed order."""
-    tensors = sorted(sample["net_input"].items()) + [("target", sample["target"])]
-    return tuple((name, tuple(t.shape), t.dtype) for name, t in tensors if torch.is_tensor(t))
-
-
-def _device_inputs(sample):
-    return [t for _, t in sorted(sample["net_input"].items()) if torch.is_tensor(t)] + [sample["target"]]
+    return tuple((name, tuple(t.shape), t.dtype) for name, t in _inputs(sample))
 
 
 class _Graph:
     def __init__(self, sample, model, criterion, optimizer, pool):
         # the graph's inputs: copies of this batch's tensors at fixed addresses
         self.sample = dict(sample, net_input=dict(sample["net_input"]))
-        for name, t in sample["net_input"].items():
-            if torch.is_tensor(t):
-                self.sample["net_input"][name] = t.clone()
-        self.sample["target"] = sample["target"].clone()
+        for name, t in _inputs(sample):
+            (self.sample if name == "target" else self.sample["net_input"])[name] = t.clone()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             loss, nll_loss = criterion.losses(model, self.sample)
@@ -54,7 +52,7 @@ class _Graph:
         self.loss, self.nll_loss = loss.detach(), nll_loss.detach()
 
     def replay(self, sample):
-        for static, t in zip(_device_inputs(self.sample), _device_inputs(sample)):
+        for (_, static), (_, t) in zip(_inputs(self.sample), _inputs(sample)):
             static.copy_(t)
         self.graph.replay()
         return self.loss.clone(), self.nll_loss.clone()

@@ -196,9 +196,9 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
 
     def _encoder_keys_values(self, encoder_out):
         """Every layer's cross-attention keys and values from one GEMM: 2L views [B, heads, S, d_head]
-        of one tensor. Kept as views: backward meets their gradients in one stack, where indexing a
-        stacked copy would give each layer's slice a gradient of the full stack's size (a fill, a copy
-        and an add of 2L x tokens x d per layer)."""
+        of one tensor. Kept as views: the qkv op's backward takes each view's gradient as it comes,
+        where indexing a stacked copy would give each layer's slice a gradient of the full stack's size
+        (a fill, a copy and an add of 2L x tokens x d per layer)."""
         enc = encoder_out["encoder_out"][0]
         return ops.split_heads(
             ops.linear(enc, self.encoder_attn_kv_proj.weight), self.encoder_attn_kv_proj.bias,
