@@ -7,8 +7,10 @@ graph launches the same kernels from one call. ``ls-fairseq-train
 --ls-cuda-graphs`` wraps the task's ``train_step`` in ``GraphedTrainStep``:
 
 - the first batch of a shape (every tensor of ``net_input`` and ``target``) runs
-  eagerly, which also warms up what the capture needs (cuBLAS plans, lazily
-  loaded kernels); the second is captured and replayed, later ones replayed. With
+  eagerly on the stream the graphs are captured on, which warms up what the
+  capture needs (cuBLAS and cuDNN workspaces, which the libraries keep per
+  stream, plans, lazily loaded kernels); the second is captured and replayed,
+  later ones replayed. With
   ``--required-seq-len-multiple 8`` (or more) most batches share a few shapes.
 - The graph holds the criterion's ``losses`` (forward and loss) and the
   optimizer's ``backward``: gradients are accumulated into the gradient
@@ -22,6 +24,7 @@ graph launches the same kernels from one call. ``ls-fairseq-train
   keep until they print.
 - After ``max_graphs`` shapes, new shapes run eagerly.
 """
+import contextlib
 import logging
 
 import torch
@@ -39,16 +42,30 @@ def _shape_key(sample):
     return tuple((name, tuple(t.shape), t.dtype) for name, t in _inputs(sample))
 
 
+@contextlib.contextmanager
+def _on(stream):
+    """Run on ``stream``, ordered after the current stream's work and before its later work."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream().wait_stream(stream)
+
+
 class _Graph:
-    def __init__(self, sample, model, criterion, optimizer, pool):
+    def __init__(self, sample, model, criterion, optimizer, pool, stream):
         # the graph's inputs: copies of this batch's tensors at fixed addresses
         self.sample = dict(sample, net_input=dict(sample["net_input"]))
         for name, t in _inputs(sample):
             (self.sample if name == "target" else self.sample["net_input"])[name] = t.clone()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            loss, nll_loss = criterion.losses(model, self.sample)
-            optimizer.backward(loss)
+        try:
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+                loss, nll_loss = criterion.losses(model, self.sample)
+                optimizer.backward(loss)
+        except RuntimeError as e:
+            # the failing operation's error, not only the capture's end that it invalidated
+            cause = e.__context__ or e
+            raise RuntimeError("ls_fairseq: capturing the training step in a CUDA graph failed: {}".format(cause)) from cause
         self.loss, self.nll_loss = loss.detach(), nll_loss.detach()
 
     def replay(self, sample):
@@ -67,17 +84,23 @@ class GraphedTrainStep:
         self.graphs = {}
         self.seen = set()
         self.pool = None
+        self.stream = None
 
     def __call__(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
         key = _shape_key(sample)
         graph = self.graphs.get(key)
-        if ignore_grad or (graph is None and (key not in self.seen or len(self.graphs) >= self.max_graphs)):
-            self.seen.add(key)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
+        if ignore_grad or (graph is None and len(self.graphs) >= self.max_graphs):
             return self.train_step(sample, model, criterion, optimizer, update_num, ignore_grad=ignore_grad)
+        if graph is None and key not in self.seen:
+            self.seen.add(key)
+            with _on(self.stream):  # the warm-up for this shape's capture
+                return self.train_step(sample, model, criterion, optimizer, update_num)
         model.train()
         model.set_num_updates(update_num)
         if graph is None:
-            graph = self.graphs[key] = _Graph(sample, model, criterion, optimizer, self.pool)
+            graph = self.graphs[key] = _Graph(sample, model, criterion, optimizer, self.pool, self.stream)
             self.pool = self.pool or graph.graph.pool()
             logger.info("ls_fairseq: CUDA graph %d captured for the batch shape %s",
                         len(self.graphs), " ".join("{}={}".format(name, list(shape)) for name, shape, _ in key))

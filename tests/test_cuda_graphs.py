@@ -22,10 +22,16 @@ class FakeGraph:
         self.replays += 1
 
 
+class FakeStream:
+    def wait_stream(self, other):
+        pass
+
+
 @contextlib.contextmanager
-def fake_capture(graph, pool=None):
+def fake_capture(graph, pool=None, stream=None):
     FakeGraph.captured += 1
     graph.pool_given = pool
+    graph.stream_given = stream
     yield
 
 
@@ -64,6 +70,9 @@ def sample(B, T, fill):
 def graphed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     FakeGraph.captured = 0
     eager = []
 
@@ -101,3 +110,5 @@ def test_other_shapes_ignored_gradients_and_the_cap(graphed):
     step(sample(2, 3, 0), *args, 0, ignore_grad=True)  # a dummy batch (loss x 0): eager
     assert len(eager) == 5
     assert all(g.graph.pool_given == (None if i == 0 else "pool") for i, g in enumerate(step.graphs.values()))
+    # every capture on the one stream the shapes' first batches warmed up
+    assert all(g.graph.stream_given is step.stream for g in step.graphs.values()) and step.stream is not None

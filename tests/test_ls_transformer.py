@@ -149,7 +149,10 @@ def test_gradients_accumulated_in_place_equal_autograds(device, dtype, rtol, var
         if dtype in LOW_PRECISION:
             assert rel_error(p.grad, 2 * autograd[name]) <= rtol, (name, rel_error(p.grad, 2 * autograd[name]))
         else:
-            assert_close(p.grad, 2 * autograd[name], rtol=rtol, atol=rtol * 1e-2, what=name)
+            # an entry whose summed terms cancel keeps their absolute rounding error: the absolute
+            # floor scales with the gradient's largest entry
+            floor = rtol * 1e-2 * autograd[name].abs().max().item()
+            assert_close(p.grad, 2 * autograd[name], rtol=rtol, atol=floor, what=name)
 
 
 def gpu_versions(stock, ls, dtype):
