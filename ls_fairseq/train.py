@@ -34,11 +34,8 @@ def parse_args(argv):
     return args
 
 
-def cli_main():
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.distributed import utils as distributed_utils
-
-    # fairseq-train's log format (importing this package already configured logging otherwise)
+def log_as_fairseq_train():
+    """fairseq-train's log format (importing fairseq already configured logging otherwise)."""
     logging.basicConfig(
         format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
@@ -47,6 +44,12 @@ def cli_main():
         force=True,
     )
 
+
+def cli_main():
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.distributed import utils as distributed_utils
+
+    log_as_fairseq_train()
     args = parse_args(with_user_dir(sys.argv[1:]))
     distributed_utils.call_main(convert_namespace_to_omegaconf(args), main)
 
@@ -58,6 +61,7 @@ def main(cfg, **kwargs):
 
     from ls_fairseq.trainer import LSTrainer
 
+    log_as_fairseq_train()  # again in a spawned worker, whose imports configured logging their way
     train.Trainer = LSTrainer  # the name fairseq-train's main() builds its trainer from
     return train.main(cfg, **kwargs)
 

@@ -8,7 +8,13 @@ the three places where fairseq's trainer reads the GPU every update:
 - the cross-worker comparison of gradient norms (the one all-reduce of the
   gradient workspace leaves every worker the same gradients);
 - the per-step rounding of every logged value (``_reduce_and_log_stats``):
-  values stay device tensors in fairseq's meters until fairseq prints them.
+  values stay device tensors in fairseq's meters until fairseq prints them;
+- under data-parallel training, the sum of the logging outputs over workers
+  (``_fast_stat_sync_sum``): fairseq copies the host's numbers to the GPU
+  (a copy from pageable memory waits for the stream) and then reads the summed
+  sample size back (``sample_size or 1.0``); here the host's numbers are summed
+  over a CPU (gloo) group and stay on the host, the losses in one all-reduce on
+  the device (``sum_over_workers``).
 So the host can queue the next update while the GPU still runs this one. With
 any other optimizer it is fairseq's Trainer unchanged. With ``--ls-cuda-graphs``
 the task's train_step replays each batch shape's forward and backward from a
@@ -21,6 +27,7 @@ and ``skipped``: the number of steps left out because of inf/NaN gradients.
 from itertools import chain
 
 import torch
+import torch.distributed as dist
 from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
@@ -35,6 +42,27 @@ def _mean_over_taken_steps(key, scale=1.0):
         return round(scale * float(meters[key].sum) / float(taken), 3) if taken > 0 else 0.0
 
     return derive
+
+
+def sum_over_workers(data, device, group=None, host_group=None):
+    """``data`` (name -> number or tensor) summed over the workers of ``group``: host numbers
+    (Python numbers, tensors not on ``device``) over ``host_group`` (a CPU backend: the host waits
+    only for the other workers' hosts) and returned as floats; tensors on ``device`` in one
+    all-reduce over ``group``, queued on the stream and returned as float64 tensors there, which
+    the host does not wait for."""
+    on_host = [k for k, v in data.items() if not torch.is_tensor(v) or v.device.type != device.type]
+    on_device = [k for k in data if k not in on_host]
+    out = {}
+    if on_host:
+        buf = torch.tensor([float(data[k]) for k in on_host], dtype=torch.float64)
+        dist.all_reduce(buf, group=host_group)
+        out.update(zip(on_host, buf.tolist()))
+    if on_device:
+        buf = torch.cat([data[k].detach().reshape(-1).to(torch.float64) for k in on_device])
+        dist.all_reduce(buf, group=group)
+        for k, part in zip(on_device, buf.split([data[k].numel() for k in on_device])):
+            out[k] = part.view_as(data[k])
+    return {k: out[k] for k in data}
 
 
 class LSTrainer(Trainer):
@@ -84,6 +112,23 @@ class LSTrainer(Trainer):
             raise ValueError(needs + "no --report-accuracy (it reads the counts back to the host every step)")
         if self.data_parallel_world_size > 1 and self.cfg.distributed_training.ddp_backend != "legacy_ddp":
             raise ValueError(needs + "--ddp-backend legacy_ddp with several GPUs (one all-reduce after backward)")
+
+    def _fast_stat_sync_sum(self, logging_outputs, *extra_stats_to_sum, ignore=False):
+        """fairseq's sum of the logging outputs (and the trainer's extra numbers: sample size,
+        OOMs, training time) over the data-parallel workers, through ``sum_over_workers``."""
+        if not self.device_step or self.data_parallel_world_size != dist.get_world_size():
+            return super()._fast_stat_sync_sum(logging_outputs, *extra_stats_to_sum, ignore=ignore)
+        if getattr(self, "_host_group", None) is None:
+            # every worker reaches its first stat sum at the same update: the group is made collectively
+            self._host_group = dist.new_group(backend="gloo")
+        data = {"extra_stats_{}".format(i): stat for i, stat in enumerate(extra_stats_to_sum)}
+        keys = list(logging_outputs[0]) if logging_outputs else []
+        for k in keys:
+            v = sum(log[k] for log in logging_outputs if k in log)
+            data["logging_outputs_" + k] = (torch.zeros_like(v) if torch.is_tensor(v) else 0) if ignore else v
+        data = sum_over_workers(data, self.device, group=self.data_parallel_process_group, host_group=self._host_group)
+        logging_outputs = [{k: data["logging_outputs_" + k] for k in keys}] if logging_outputs else []
+        return logging_outputs, [data["extra_stats_{}".format(i)] for i in range(len(extra_stats_to_sum))]
 
     def _reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
         if not self.device_step:

@@ -17,6 +17,9 @@ TRAIN = [
     "--max-tokens", "1024", "--cpu", "--num-workers", "0", "--no-progress-bar", "--log-interval", "5",
     "--seed", "3",
 ]
+# the same on GPUs: one (fairseq-train takes every visible GPU unless told), or two where a test says so
+GPU = [a for a in TRAIN if a != "--cpu"]
+ONE_GPU = GPU + ["--distributed-world-size", "1"]
 
 
 def train(data_bin, save_dir, *extra, user_dir=True):
@@ -155,8 +158,8 @@ def test_gpu_resume_continues_bit_identically(data_bin, tmp_path, precision):
     and every optimizer state tensor."""
     import sys
 
-    gpu = [a for a in TRAIN if a != "--cpu"] + [precision, "--ls-deterministic", "--attention-dropout", "0.1",
-                                                  "--disable-validation", "--no-epoch-checkpoints"]
+    gpu = ONE_GPU + [precision, "--ls-deterministic", "--attention-dropout", "0.1", "--disable-validation",
+                     "--no-epoch-checkpoints"]
     cmd = [sys.executable, "-m", "ls_fairseq.train", str(data_bin / "data-bin")]
     for save, stops in (("straight", ["8"]), ("resumed", ["4", "8"])):
         for stop in stops:
@@ -188,10 +191,9 @@ def test_cuda_graphs_replay_the_eager_steps_bit_for_bit(data_bin, tmp_path):
     end with the same bits in every parameter as 30 eager updates."""
     import sys
 
-    gpu = [a for a in TRAIN if a != "--cpu"] + ["--fp16", "--ls-deterministic", "--attention-dropout", "0.1",
-                                                  "--disable-validation", "--no-epoch-checkpoints", "--max-update", "30",
-                                                  "--max-tokens", "4096", "--batch-size", "32",
-                                                  "--required-seq-len-multiple", "32"]
+    gpu = ONE_GPU + ["--fp16", "--ls-deterministic", "--attention-dropout", "0.1", "--disable-validation",
+                     "--no-epoch-checkpoints", "--max-update", "30", "--max-tokens", "4096", "--batch-size", "32",
+                     "--required-seq-len-multiple", "32"]
     cmd = [sys.executable, "-m", "ls_fairseq.train", str(data_bin / "data-bin")]
     logs = {}
     for name, extra in (("eager", []), ("graphs", ["--ls-cuda-graphs"])):
@@ -221,8 +223,8 @@ def test_two_gpus_train_resume_and_keep_the_ranks_identical(data_bin, tmp_path, 
     ranks.mkdir()
     cmd = [sys.executable, "-m", "ls_fairseq.train", str(data_bin / "data-bin"),
            "--user-dir", os.path.join(REPO, "tests", "rank_hooks"), "--save-dir", str(tmp_path / "ckpt")]
-    cmd += [a for a in TRAIN if a != "--cpu"] + [precision, "--distributed-world-size", "2", "--ddp-backend",
-                                                 "legacy_ddp", "--disable-validation", "--no-epoch-checkpoints"]
+    cmd += GPU + [precision, "--distributed-world-size", "2", "--ddp-backend", "legacy_ddp", "--disable-validation",
+                  "--no-epoch-checkpoints"]
     env = {"LS_TEST_RANK_DIR": str(ranks), "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1"}
     for stop in (4, 8):

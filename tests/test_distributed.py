@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ls_fairseq.optim.ls_adam import LSAdam, LSAdamConfig
+from ls_fairseq.trainer import sum_over_workers
 
 
 def model_and_optimizer():
@@ -56,3 +57,25 @@ def test_two_ranks_end_identical_and_equal_one_process_on_the_whole_batch(tmp_pa
         opt.step()
     for a, b in zip(rank0, model.parameters()):
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def stats_worker(rank, init_file, out):
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=2)
+    data = {"ntokens": 10 + rank, "train_time": 0.5 * (rank + 1), "ooms": rank,
+            "loss": torch.tensor([1.5, -2.0]) * (rank + 1), "nll_loss": torch.tensor(3.0 + rank, dtype=torch.float16)}
+    # the CPU stands for the GPU here: its tensors take the device's all-reduce
+    summed = sum_over_workers(data, torch.device("cpu"), host_group=dist.new_group(backend="gloo"))
+    torch.save(summed, "{}.{}".format(out, rank))
+    dist.destroy_process_group()
+
+
+def test_stats_summed_over_workers_host_numbers_stay_on_the_host(tmp_path):
+    out = str(tmp_path / "stats")
+    mp.spawn(stats_worker, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
+    for rank in (0, 1):
+        summed = torch.load(out + ".{}".format(rank))
+        assert list(summed) == ["ntokens", "train_time", "ooms", "loss", "nll_loss"]
+        assert summed["ntokens"] == 21.0 and summed["train_time"] == 1.5 and summed["ooms"] == 1.0
+        assert all(isinstance(summed[k], float) for k in ("ntokens", "train_time", "ooms"))
+        assert torch.equal(summed["loss"], torch.tensor([4.5, -6.0], dtype=torch.float64))
+        assert summed["nll_loss"].shape == () and summed["nll_loss"].item() == 7.0

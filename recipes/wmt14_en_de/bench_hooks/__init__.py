@@ -149,6 +149,7 @@ def _write():
     if torch.cuda.is_available():
         _stats["peak_bytes"] = max(_stats["peak_bytes"], torch.cuda.max_memory_allocated())
     path = os.environ.get("BENCH_HOOKS_OUT")
-    if path and _stats.get("rank", 0) == 0:
+    # a process that trained, rank 0 of them (fairseq's launcher of data-parallel workers trains nothing)
+    if path and _stats.get("rank") == 0:
         with open(path, "w") as f:
             json.dump(_stats, f)
