@@ -18,6 +18,8 @@ graph launches the same kernels from one call. ``ls-fairseq-train
   its graph-safe state (every replay draws new masks), and the loss scale is a
   device tensor, read at replay. What fairseq needs on the host (sample size,
   logging output) comes from the criterion's ``logging_outputs`` for each batch.
+- The capture tolerates other threads' CUDA calls (fairseq's data loader pins
+  batches in a thread of its own); the step's own work never synchronises.
 - Every graph allocates from one shared memory pool: only one graph runs at a
   time and the tensors a graph returns stay alive, so no graph's output is
   another graph's scratch. Replays clone the two losses, which fairseq's meters
@@ -59,7 +61,9 @@ class _Graph:
             (self.sample if name == "target" else self.sample["net_input"])[name] = t.clone()
         self.graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            # thread_local: fairseq's data loader pins the next batch in another thread meanwhile
+            # (cudaHostAlloc), which would invalidate a capture in torch's default (global) mode
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 loss, nll_loss = criterion.losses(model, self.sample)
                 optimizer.backward(loss)
         except RuntimeError as e:

@@ -8,6 +8,11 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 OUT=${OUT:-/tmp/ls_fairseq_gpu}
 mkdir -p "$OUT"
+# the device tool brings back only a handful of files: everything under $OUT goes into one
+# archive, also when the call's time limit stops a command (TERM) before the end
+pack() { (cd "$OUT" && tar czf logs.tgz --exclude logs.tgz --exclude data-bin -- * && find . -type f ! -name logs.tgz -delete); }
+trap pack EXIT
+trap 'exit 143' TERM
 export PYTHONUNBUFFERED=1
 if [ -f .device-kit/bootstrap.sh ]; then
   # shellcheck disable=SC1091
@@ -31,6 +36,4 @@ for cmd in "$@"; do
   bash -c "$cmd" || status=1
 done
 tail -1 "$OUT/pytest_gpu.log"
-# the device tool brings back only a handful of files: everything under $OUT goes into one archive
-(cd "$OUT" && tar czf logs.tgz --exclude logs.tgz -- * && find . -type f ! -name logs.tgz -delete)
 exit $status

@@ -28,10 +28,11 @@ class FakeStream:
 
 
 @contextlib.contextmanager
-def fake_capture(graph, pool=None, stream=None):
+def fake_capture(graph, pool=None, stream=None, capture_error_mode="global"):
     FakeGraph.captured += 1
     graph.pool_given = pool
     graph.stream_given = stream
+    graph.mode_given = capture_error_mode
     yield
 
 
@@ -110,5 +111,6 @@ def test_other_shapes_ignored_gradients_and_the_cap(graphed):
     step(sample(2, 3, 0), *args, 0, ignore_grad=True)  # a dummy batch (loss x 0): eager
     assert len(eager) == 5
     assert all(g.graph.pool_given == (None if i == 0 else "pool") for i, g in enumerate(step.graphs.values()))
-    # every capture on the one stream the shapes' first batches warmed up
+    # every capture on the one stream the shapes' first batches warmed up, blind to other threads' CUDA calls
     assert all(g.graph.stream_given is step.stream for g in step.graphs.values()) and step.stream is not None
+    assert all(g.graph.mode_given == "thread_local" for g in step.graphs.values())
