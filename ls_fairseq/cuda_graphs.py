@@ -19,7 +19,8 @@ graph launches the same kernels from one call. ``ls-fairseq-train
   device tensor, read at replay. What fairseq needs on the host (sample size,
   logging output) comes from the criterion's ``logging_outputs`` for each batch.
 - The capture tolerates other threads' CUDA calls (fairseq's data loader pins
-  batches in a thread of its own); the step's own work never synchronises.
+  batches in a thread of its own) and, unlike ``torch.cuda.graph``, keeps the
+  memory caches: the step's own work never synchronises.
 - Every graph allocates from one shared memory pool: only one graph runs at a
   time and the tensors a graph returns stay alive, so no graph's output is
   another graph's scratch. Replays clone the two losses, which fairseq's meters
@@ -60,12 +61,18 @@ class _Graph:
         for name, t in _inputs(sample):
             (self.sample if name == "target" else self.sample["net_input"])[name] = t.clone()
         self.graph = torch.cuda.CUDAGraph()
+        # torch.cuda.graph() would first synchronise and empty the device's and the pinned host
+        # memory's caches, at every shape's capture: the steps after it would cudaMalloc again.
+        # thread_local: fairseq's data loader pins the next batch in its own thread meanwhile
+        # (cudaHostAlloc), which invalidates a capture in CUDA's default (global) mode.
         try:
-            # thread_local: fairseq's data loader pins the next batch in another thread meanwhile
-            # (cudaHostAlloc), which would invalidate a capture in torch's default (global) mode
-            with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                loss, nll_loss = criterion.losses(model, self.sample)
-                optimizer.backward(loss)
+            with _on(stream):
+                self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    loss, nll_loss = criterion.losses(model, self.sample)
+                    optimizer.backward(loss)
+                finally:
+                    self.graph.capture_end()
         except RuntimeError as e:
             # the failing operation's error, not only the capture's end that it invalidated
             cause = e.__context__ or e

@@ -14,6 +14,17 @@ class FakeGraph:
 
     def __init__(self):
         self.replays = 0
+        self.capturing = False
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        assert not self.capturing
+        self.capturing, self.pool_given, self.mode_given = True, pool, capture_error_mode
+        self.stream_given = torch.cuda.current_stream()
+
+    def capture_end(self):
+        assert self.capturing
+        self.capturing = False
+        FakeGraph.captured += 1
 
     def pool(self):
         return "pool"
@@ -23,17 +34,17 @@ class FakeGraph:
 
 
 class FakeStream:
+    current = None
+
     def wait_stream(self, other):
         pass
 
 
 @contextlib.contextmanager
-def fake_capture(graph, pool=None, stream=None, capture_error_mode="global"):
-    FakeGraph.captured += 1
-    graph.pool_given = pool
-    graph.stream_given = stream
-    graph.mode_given = capture_error_mode
+def fake_stream_context(stream):
+    before, FakeStream.current = FakeStream.current, stream
     yield
+    FakeStream.current = before
 
 
 class Criterion:
@@ -70,16 +81,16 @@ def sample(B, T, fill):
 @pytest.fixture
 def graphed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "current_stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: FakeStream.current)
+    monkeypatch.setattr(torch.cuda, "stream", fake_stream_context)
+    FakeStream.current = FakeStream()
     FakeGraph.captured = 0
     eager = []
 
     def train_step(sample, model, criterion, optimizer, update_num, ignore_grad=False):
         eager.append(sample["ntokens"])
-        return None, sample["ntokens"], {"eager": True}
+        return None, sample["ntokens"], {"eager": True, "stream": torch.cuda.current_stream()}
 
     return GraphedTrainStep(train_step, max_graphs=2), eager
 
@@ -87,8 +98,11 @@ def graphed(monkeypatch):
 def test_first_batch_of_a_shape_eager_second_captured_then_replayed(graphed):
     step, eager = graphed
     model, criterion, optimizer = Model(), Criterion(), Optimizer()
-    step(sample(2, 3, 1), model, criterion, optimizer, 0)
+    default = torch.cuda.current_stream()
+    _, _, log = step(sample(2, 3, 1), model, criterion, optimizer, 0)
     assert eager == [7] and FakeGraph.captured == 0
+    # the shape's warm-up ran on the stream its capture will use, and the caller's stream is back
+    assert log["stream"] is step.stream and log["stream"] is not default and torch.cuda.current_stream() is default
     loss, size, log = step(sample(2, 3, 2), model, criterion, optimizer, 1)
     assert FakeGraph.captured == 1 and optimizer.backwards == 1 and model.updates == 1
     assert size == 8 and log["ntokens"] == 8 and "eager" not in log
@@ -114,3 +128,21 @@ def test_other_shapes_ignored_gradients_and_the_cap(graphed):
     # every capture on the one stream the shapes' first batches warmed up, blind to other threads' CUDA calls
     assert all(g.graph.stream_given is step.stream for g in step.graphs.values()) and step.stream is not None
     assert all(g.graph.mode_given == "thread_local" for g in step.graphs.values())
+
+
+def test_a_failed_capture_ends_the_capture_and_names_the_operation_that_failed(graphed, monkeypatch):
+    step, _ = graphed
+
+    class Failing(Criterion):
+        def losses(self, model, sample):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    def invalidated_end(graph):
+        graph.capturing = False
+        raise RuntimeError("operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(FakeGraph, "capture_end", invalidated_end)
+    args = (Model(), Failing(), Optimizer())
+    step(sample(2, 3, 0), *args, 0)
+    with pytest.raises(RuntimeError, match="capturing the training step in a CUDA graph failed: operation not permitted"):
+        step(sample(2, 3, 0), *args, 1)
