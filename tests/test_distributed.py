@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ls_fairseq.ops.dispatch import IN_WORKSPACE, NO_GRAD_HOOKS, grad_in_place
 from ls_fairseq.optim.ls_adam import LSAdam, LSAdamConfig
 from ls_fairseq.trainer import sum_over_workers
 
@@ -65,15 +66,23 @@ def stats_worker(rank, init_file, out):
             "loss": torch.tensor([1.5, -2.0]) * (rank + 1), "nll_loss": torch.tensor(3.0 + rank, dtype=torch.float16)}
     # the CPU stands for the GPU here: its tensors take the device's all-reduce
     summed = sum_over_workers(data, torch.device("cpu"), host_group=dist.new_group(backend="gloo"))
-    torch.save(summed, "{}.{}".format(out, rank))
+    # while distributed, a workspace parameter's gradient is accumulated in place only without autograd hooks
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.zeros(3)
+    setattr(p, IN_WORKSPACE, True)
+    in_place = [grad_in_place(p) is p.grad]
+    setattr(p, NO_GRAD_HOOKS, True)
+    in_place.append(grad_in_place(p) is p.grad)
+    torch.save((summed, in_place), "{}.{}".format(out, rank))
     dist.destroy_process_group()
 
 
-def test_stats_summed_over_workers_host_numbers_stay_on_the_host(tmp_path):
+def test_stats_summed_over_workers_and_gradients_in_place_without_hooks(tmp_path):
     out = str(tmp_path / "stats")
     mp.spawn(stats_worker, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
     for rank in (0, 1):
-        summed = torch.load(out + ".{}".format(rank))
+        summed, in_place = torch.load(out + ".{}".format(rank))
+        assert in_place == [False, True]
         assert list(summed) == ["ntokens", "train_time", "ooms", "loss", "nll_loss"]
         assert summed["ntokens"] == 21.0 and summed["train_time"] == 1.5 and summed["ooms"] == 1.0
         assert all(isinstance(summed[k], float) for k in ("ntokens", "train_time", "ooms"))

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from test_ls_adam import data, loss_of, small_model
 
 from ls_fairseq.ops.adam import LOSS_SCALE, OVERFLOW, STEP
+from ls_fairseq.ops.dispatch import NO_GRAD_HOOKS
 from ls_fairseq.optim.ls_adam import LSAdam, LSAdamConfig
 from ls_fairseq.optim.mixed_precision import DeviceStepAdam
 
@@ -143,13 +144,13 @@ def test_minimum_loss_scale_stops_training_when_checked():
 
 
 def test_precision_flags_choose_master_weights_and_scaling():
-    def build(dtype, **common):
+    def build(dtype, ddp_backend="legacy_ddp", **common):
         flags = dict(fp16=False, bf16=False, memory_efficient_fp16=False, memory_efficient_bf16=False,
                      fp16_scale_window=None, fp16_init_scale=128, fp16_scale_tolerance=0.0, threshold_loss_scale=None,
                      min_loss_scale=1e-4, model_parallel_size=1)
         flags.update(common)
         cfg = OmegaConf.create({"common": flags, "optimizer": adam_cfg(),
-                                "distributed_training": {"distributed_world_size": 2},
+                                "distributed_training": {"distributed_world_size": 2, "ddp_backend": ddp_backend},
                                 "optimization": {"update_freq": [4]}})
         return DeviceStepAdam.build_optimizer(cfg, list(small_model(dtype).parameters()))
 
@@ -162,6 +163,11 @@ def test_precision_flags_choose_master_weights_and_scaling():
     assert build(torch.bfloat16, bf16=True).adam.optimizer.master is not None
     with pytest.raises(ValueError, match="--fp16-scale-tolerance"):
         build(torch.float16, fp16=True, fp16_scale_tolerance=0.25)
+    # under legacy_ddp no autograd hook watches the gradients, so the ops may accumulate them in place;
+    # torch's DistributedDataParallel (c10d) needs autograd's accumulation
+    assert all(getattr(p, NO_GRAD_HOOKS, False) for p in fp16.adam.optimizer.workspace.params)
+    c10d = build(torch.float16, ddp_backend="c10d", fp16=True)
+    assert not any(getattr(p, NO_GRAD_HOOKS, False) for p in c10d.adam.optimizer.workspace.params)
 
 
 @pytest.mark.parametrize("master,limit", [(False, 12), (True, 16)])

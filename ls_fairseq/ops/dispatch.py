@@ -109,6 +109,9 @@ def implementation(op, tensor, reference_forward, reference_backward):
 
 
 IN_WORKSPACE = "ls_grad_in_workspace"  # the attribute ls_adam sets on the parameters it holds
+# set by ls-fairseq-train's optimizer when no autograd hook watches the gradients under
+# data-parallel training (one, or --ddp-backend legacy_ddp: ls_adam all-reduces its workspace)
+NO_GRAD_HOOKS = "ls_grad_without_hooks"
 
 
 def grad_in_place(param):
@@ -122,7 +125,9 @@ def grad_in_place(param):
     is then the only way their gradients are taken in training), whose ``.grad`` exists
     with the parameter's dtype and layout, and while torch.distributed is not initialised
     (DistributedDataParallel learns that a gradient is ready from autograd's accumulation
-    of it), the op's backward accumulates into ``.grad`` and gives autograd None.
+    of it) unless the parameter is marked ``NO_GRAD_HOOKS`` (ls-fairseq-train's optimizer
+    under ``--ddp-backend legacy_ddp``, whose one all-reduce runs after backward), the op's
+    backward accumulates into ``.grad`` and gives autograd None.
     Otherwise the gradient goes back to autograd as usual, so ``torch.autograd.grad``
     and other optimizers see nothing different.
     """
@@ -133,7 +138,7 @@ def grad_in_place(param):
         and grad.dtype == param.dtype
         and grad.shape == param.shape
         and grad.is_contiguous()
-        and not (dist.is_available() and dist.is_initialized())
+        and (getattr(param, NO_GRAD_HOOKS, False) or not (dist.is_available() and dist.is_initialized()))
     ):
         return grad
     return None

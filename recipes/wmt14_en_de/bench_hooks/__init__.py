@@ -16,7 +16,7 @@
   (tables written beside the JSON file, .profile.txt).
 
 Results go to the JSON file named by $BENCH_HOOKS_OUT at exit (rank 0's, under
-data-parallel training). With
+data-parallel training; the other ranks' beside it, as NAME.rankN.json). With
 $BENCH_WITH_LS=1 it also loads the ls_fairseq plugin (fairseq takes one
 --user-dir). Nothing else about training changes.
 """
@@ -96,10 +96,10 @@ def _profiled_train_step(self, samples, raise_oom=False):
                    if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
         _stats["kernels_per_step"] = len(kernels) / PROFILE_STEPS
         _stats["gpu_ms_per_step"] = sum(e.device_time_total for e in kernels) / PROFILE_STEPS / 1000.0
-        path = os.environ.get("BENCH_HOOKS_OUT")
-        if path and _stats["rank"] == 0:
+        path = _out_path(".profile.txt")
+        if path:
             averages = prof.key_averages()
-            with open(os.path.splitext(path)[0] + ".profile.txt", "w") as f:
+            with open(path, "w") as f:
                 for key, rows in (("self_cpu_time_total", 40), ("self_device_time_total", 40), ("count", 80)):
                     f.write(averages.table(sort_by=key, row_limit=rows, max_name_column_width=90) + "\n")
                 # which tensors the small glue ops (fills, copies, adds, concatenations) work on
@@ -144,12 +144,20 @@ Trainer.clip_grad_norm = _timed_clip_grad_norm
 FairseqTask.optimizer_step = _timed_optimizer_step
 
 
+def _out_path(ext):
+    """$BENCH_HOOKS_OUT with ``ext`` for rank 0, with ``.rankN`` before it for the other data-parallel
+    ranks; None in a process that did not train (fairseq's launcher of the workers)."""
+    path, rank = os.environ.get("BENCH_HOOKS_OUT"), _stats.get("rank")
+    if not path or rank is None:
+        return None
+    return os.path.splitext(path)[0] + ("" if rank == 0 else ".rank{}".format(rank)) + ext
+
+
 @atexit.register
 def _write():
     if torch.cuda.is_available():
         _stats["peak_bytes"] = max(_stats["peak_bytes"], torch.cuda.max_memory_allocated())
-    path = os.environ.get("BENCH_HOOKS_OUT")
-    # a process that trained, rank 0 of them (fairseq's launcher of data-parallel workers trains nothing)
-    if path and _stats.get("rank") == 0:
+    path = _out_path(".json")
+    if path:
         with open(path, "w") as f:
             json.dump(_stats, f)
