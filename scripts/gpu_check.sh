@@ -10,6 +10,7 @@ OUT=${OUT:-/tmp/ls_fairseq_gpu}
 mkdir -p "$OUT"
 # the device tool brings back only a handful of files: everything under $OUT goes into one
 # archive, also when the call's time limit stops a command (TERM) before the end
+# shellcheck disable=SC2329  # invoked by the EXIT trap
 pack() { (cd "$OUT" && tar czf logs.tgz --exclude logs.tgz --exclude data-bin -- * && find . -type f ! -name logs.tgz -delete); }
 trap pack EXIT
 trap 'exit 143' TERM
