@@ -10,8 +10,8 @@ graph launches the same kernels from one call. ``ls-fairseq-train
   eagerly on the stream the graphs are captured on, which warms up what the
   capture needs (cuBLAS and cuDNN workspaces, which the libraries keep per
   stream, plans, lazily loaded kernels); the second is captured and replayed,
-  later ones replayed. With
-  ``--required-seq-len-multiple 8`` (or more) most batches share a few shapes.
+  later ones replayed. With ``--required-seq-len-multiple 8`` (or more) most
+  batches share a few shapes.
 - The graph holds the criterion's ``losses`` (forward and loss) and the
   optimizer's ``backward``: gradients are accumulated into the gradient
   workspace at fixed addresses, dropout draws from torch's generator through

@@ -33,7 +33,7 @@ from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 
 from ls_fairseq.cuda_graphs import GraphedTrainStep
-from ls_fairseq.optim.mixed_precision import DeviceStepAdam
+from ls_fairseq.optim.mixed_precision import LEGACY_DDP_BACKENDS, DeviceStepAdam
 
 
 def _mean_over_taken_steps(key, scale=1.0):
@@ -66,6 +66,7 @@ def sum_over_workers(data, device, group=None, host_group=None):
 
 
 class LSTrainer(Trainer):
+    _host_group = None  # the CPU (gloo) group of the data-parallel stat sums, made at the first one
     @property
     def device_step(self):
         return isinstance(self.optimizer, DeviceStepAdam)
@@ -110,7 +111,7 @@ class LSTrainer(Trainer):
             raise ValueError(needs + "--criterion ls_label_smoothed_cross_entropy")
         if getattr(self.criterion, "report_accuracy", False):
             raise ValueError(needs + "no --report-accuracy (it reads the counts back to the host every step)")
-        if self.data_parallel_world_size > 1 and self.cfg.distributed_training.ddp_backend != "legacy_ddp":
+        if self.data_parallel_world_size > 1 and self.cfg.distributed_training.ddp_backend not in LEGACY_DDP_BACKENDS:
             raise ValueError(needs + "--ddp-backend legacy_ddp with several GPUs (one all-reduce after backward)")
 
     def _fast_stat_sync_sum(self, logging_outputs, *extra_stats_to_sum, ignore=False):
@@ -118,7 +119,7 @@ class LSTrainer(Trainer):
         OOMs, training time) over the data-parallel workers, through ``sum_over_workers``."""
         if not self.device_step or self.data_parallel_world_size != dist.get_world_size():
             return super()._fast_stat_sync_sum(logging_outputs, *extra_stats_to_sum, ignore=ignore)
-        if getattr(self, "_host_group", None) is None:
+        if self._host_group is None:
             # every worker reaches its first stat sum at the same update: the group is made collectively
             self._host_group = dist.new_group(backend="gloo")
         data = {"extra_stats_{}".format(i): stat for i, stat in enumerate(extra_stats_to_sum)}

@@ -34,6 +34,9 @@ from ls_fairseq.ops.adam import GRAD_NORM, GRAD_SCALE, GOOD_STEPS, LOSS_SCALE, O
 from ls_fairseq.ops.dispatch import NO_GRAD_HOOKS
 from ls_fairseq.optim.ls_adam import LSAdam
 
+# fairseq's names for its legacy data-parallel wrapper: no autograd hooks, the optimizer's all-reduce after backward
+LEGACY_DDP_BACKENDS = ("legacy_ddp", "no_c10d")
+
 
 class DeviceLossScaler:
     """The loss scale as the trainer sees it (``optimizer.scaler.loss_scale``): a device scalar."""
@@ -82,7 +85,7 @@ class DeviceStepAdam(FairseqOptimizer):
         memory_efficient = common.memory_efficient_fp16 or common.memory_efficient_bf16
         fp32_master = cfg.optimizer.ls_fp32_master or ((common.fp16 or common.bf16) and not memory_efficient)
         adam = LSAdam(cfg.optimizer, params, fp32_master=fp32_master)
-        if cfg.distributed_training.ddp_backend in ("legacy_ddp", "no_c10d"):
+        if cfg.distributed_training.ddp_backend in LEGACY_DDP_BACKENDS:
             # fairseq's legacy wrapper watches no gradient: the ops may accumulate in place also
             # under data-parallel training (torch's DistributedDataParallel needs autograd's own)
             for p in params:
