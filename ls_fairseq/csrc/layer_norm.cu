@@ -11,6 +11,10 @@
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))  (the two means in one reduction)
 //   dgamma = sum over rows of dy * xhat, dbeta = sum over rows of dy
 //   (two-stage, deterministic column reduction: chunks of rows, then the chunks).
+// For rows of 1 to 4 x 32 vectors of 16 bytes (hidden 256 .. 1024 in fp16/bf16) one
+// kernel does dx and the chunks' column sums from one read of dy and x, a warp per
+// row with the next row's loads in flight during this row's reduction; other rows
+// take a dx kernel and a column-sum kernel, which read dy and x once each.
 #include "common.cuh"
 #include "reduce.cuh"
 
@@ -152,6 +156,93 @@ struct LnParamMap {
   }
 };
 
+// One pass over a strip of rows: each warp takes rows warp, warp + kStripWarps, ... of the
+// strip, whole rows of ITEMS x 32 vectors in registers, and loads its next row's dy and x
+// before this row's reduction (two rows in flight a warp); dx is stored at once, dy * xhat
+// and dy are added to the lane's column sums, and the block folds its warps' sums in a fixed
+// order into the strip's partial sums (column_sum_finish_kernel adds the strips up).
+constexpr int kStripWarps = 4;
+
+template <typename T, int ITEMS>
+__global__ void __launch_bounds__(32 * kStripWarps)
+    ln_backward_strip_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
+                             const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
+                             float* __restrict__ partial, int64_t rows, int hidden, int strip) {
+  constexpr int V = kVec<T>, C = ITEMS * 32 * V;
+  __shared__ float fold[kStripWarps][2][C];  // [warp][dgamma, dbeta][(item, element, lane)]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t r0 = int64_t(blockIdx.x) * strip, r1 = r0 + strip < rows ? r0 + strip : rows;
+  float acc[ITEMS][2][V] = {};
+  Pack<T, V> next_dy[ITEMS], next_x[ITEMS];
+  auto fetch = [&](int64_t row) {
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+      const int c = (it * 32 + lane) * V;
+      next_dy[it] = *reinterpret_cast<const Pack<T, V>*>(dy + row * hidden + c);
+      next_x[it] = *reinterpret_cast<const Pack<T, V>*>(x + row * hidden + c);
+    }
+  };
+  int64_t r = r0 + warp;
+  if (r < r1) fetch(r);
+  for (; r < r1; r += kStripWarps) {
+    Pack<T, V> cur_dy[ITEMS], cur_x[ITEMS];
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+      cur_dy[it] = next_dy[it];
+      cur_x[it] = next_x[it];
+    }
+    if (r + kStripWarps < r1) fetch(r + kStripWarps);
+    const float mu = mean[r], rs = rstd[r];
+    float d[ITEMS][V], xh[ITEMS][V], sg = 0.f, sgx = 0.f;
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+      float gm[V];
+      load<T, V>(gamma + (it * 32 + lane) * V, gm);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        d[it][i] = to_f(cur_dy[it].v[i]);
+        xh[it][i] = (to_f(cur_x[it].v[i]) - mu) * rs;
+        const float g = d[it][i] * gm[i];
+        sg += g;
+        sgx += g * xh[it][i];
+      }
+    }
+    sg = warp_sum(sg);
+    sgx = warp_sum(sgx);
+    const float mg = sg / hidden, mgx = sgx / hidden;
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+      const int c = (it * 32 + lane) * V;
+      float gm[V], o[V];
+      load<T, V>(gamma + c, gm);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        o[i] = rs * (d[it][i] * gm[i] - mg - xh[it][i] * mgx);
+        acc[it][0][i] += d[it][i] * xh[it][i];
+        acc[it][1][i] += d[it][i];
+      }
+      store<T, V>(dx + r * hidden + c, o);
+    }
+  }
+  // lane-fastest layout: conflict-free stores and loads
+#pragma unroll
+  for (int it = 0; it < ITEMS; ++it)
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      fold[warp][0][(it * V + i) * 32 + lane] = acc[it][0][i];
+      fold[warp][1][(it * V + i) * 32 + lane] = acc[it][1][i];
+    }
+  __syncthreads();
+  for (int j = threadIdx.x; j < 2 * C; j += 32 * kStripWarps) {
+    const int k = j / C, e = j % C;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kStripWarps; ++w) s += fold[w][k][e];
+    const int it = e / (32 * V), i = (e / 32) % V, l = e % 32;
+    partial[(int64_t(k) * gridDim.x + blockIdx.x) * hidden + (it * 32 + l) * V + i] = s;
+  }
+}
+
 constexpr int kRowsPerBlock = 4;
 
 // Launches `kernel<T, V, ITEMS, WARP>` for the row length: a warp per row with the
@@ -183,23 +274,50 @@ void layer_norm_forward(DType dt, const void* x, const void* gamma, const void* 
   })
 }
 
+// dx and the strips' column sums in one kernel (ITEMS = hidden / (32 x V), 1 to 4), then the strips added up.
+template <typename T>
+void ln_backward_strips(const T* dy, const T* x, const T* gamma, const float* mean, const float* rstd, T* dx,
+                        GradOut dgamma, GradOut dbeta, float* partial, int64_t rows, int hidden, cudaStream_t stream) {
+  // strips of rows, at most column_chunks(rows) of them: the partial's size
+  const int chunks = column_chunks(rows);
+  const int strip = int((rows + chunks - 1) / chunks), blocks = int((rows + strip - 1) / strip);
+  auto launch = [&]<int ITEMS>() {
+    ln_backward_strip_kernel<T, ITEMS><<<blocks, 32 * kStripWarps, 0, stream>>>(dy, x, gamma, mean, rstd, dx, partial,
+                                                                                rows, hidden, strip);
+  };
+  switch (hidden / (32 * kVec<T>)) {
+    case 1: launch.template operator()<1>(); break;
+    case 2: launch.template operator()<2>(); break;
+    case 3: launch.template operator()<3>(); break;
+    default: launch.template operator()<4>(); break;
+  }
+  column_sum_finish_kernel<T, 2><<<dim3(ceil_div(hidden, 32), 2), dim3(32, kFinishLanes), 0, stream>>>(
+      partial, blocks, hidden, GradOuts<2>{{dgamma, dbeta}});
+}
+
 void layer_norm_backward(DType dt, const void* dy, const void* x, const void* gamma, const float* mean,
                          const float* rstd, void* dx, GradOut dgamma, GradOut dbeta, float* partial, int64_t rows,
                          int hidden, cudaStream_t stream) {
   LS_DISPATCH(dt, {
     const bool vec = hidden % kVec<T> == 0 && aligned16(dy) && aligned16(x) && aligned16(gamma) && aligned16(dx);
-    if (rows > 0) {
-      auto launch = [&]<int V, int ITEMS, bool WARP>(int grid, int block) {
-        ln_backward_dx_kernel<T, V, ITEMS, WARP><<<grid, block, 0, stream>>>(
-            (const T*)dy, (const T*)x, (const T*)gamma, mean, rstd, (T*)dx, rows, hidden);
-      };
-      if (vec)
-        by_row_length<T, kVec<T>>(hidden, rows, launch);
-      else
-        by_row_length<T, 1>(hidden, rows, launch);
+    const int row = 32 * kVec<T>;  // one 16-byte vector a lane
+    if (vec && rows > 0 && hidden % row == 0 && hidden >= row && hidden <= 4 * row) {
+      ln_backward_strips<T>((const T*)dy, (const T*)x, (const T*)gamma, mean, rstd, (T*)dx, dgamma, dbeta, partial,
+                            rows, hidden, stream);
+    } else {
+      if (rows > 0) {
+        auto launch = [&]<int V, int ITEMS, bool WARP>(int grid, int block) {
+          ln_backward_dx_kernel<T, V, ITEMS, WARP><<<grid, block, 0, stream>>>(
+              (const T*)dy, (const T*)x, (const T*)gamma, mean, rstd, (T*)dx, rows, hidden);
+        };
+        if (vec)
+          by_row_length<T, kVec<T>>(hidden, rows, launch);
+        else
+          by_row_length<T, 1>(hidden, rows, launch);
+      }
+      map_column_sum<T, 2>(LnParamMap<T>{(const T*)dy, (const T*)x, mean, rstd, hidden}, vec,
+                           GradOuts<2>{{dgamma, dbeta}}, partial, rows, hidden, stream);
     }
-    map_column_sum<T, 2>(LnParamMap<T>{(const T*)dy, (const T*)x, mean, rstd, hidden}, vec,
-                         GradOuts<2>{{dgamma, dbeta}}, partial, rows, hidden, stream);
   })
 }
 
