@@ -70,3 +70,23 @@ def test_kernel_matches_reference(dtype, B, T, H, D, parts, missing):
     dx_l, db_l = qkv_backward_reference(dys, D**-0.5)
     for o, ref, low, name in ((out, out64, out_l, "out"), (dx, dx64, dx_l, "dx"), (db, db64, db_l, "dbias")):
         check_kernel(o, ref, low, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,H,D", [(2, 7, 4, 64), (3, 5, 2, 6)])  # 16-byte vectors, and the scalar path
+def test_kernel_reads_parts_through_their_strides(dtype, B, T, H, D):
+    """Parts given as views (as attention backwards return them: [B, heads, T, d_head] over a
+    [B, T, heads, d_head] buffer) give the bits of their contiguous copies; a part whose rows of
+    d_head are not contiguous is refused by name."""
+    views = [torch.randn(B, T, H, D, device="cuda").to(dtype).transpose(1, 2) for _ in range(3)]
+    views[1] = torch.randn(H, B, T, D, device="cuda").to(dtype).permute(1, 0, 2, 3)
+    ext = kernel("qkv", views[0])
+    poison()
+    dx, db = ext.qkv_backward(views, D**-0.5, None)
+    poison()
+    dx_c, db_c = ext.qkv_backward([g.contiguous() for g in views], D**-0.5, None)
+    assert torch.equal(dx, dx_c) and torch.equal(db, db_c)
+    bad = torch.randn(B, H, D, T, device="cuda").to(dtype).transpose(2, 3)
+    with pytest.raises(RuntimeError, match="contiguous rows of d_head"):
+        ext.qkv_backward([views[0], bad, views[2]], D**-0.5, None)

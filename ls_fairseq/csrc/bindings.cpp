@@ -320,15 +320,22 @@ std::tuple<Tensor, Tensor> qkv_backward(const std::vector<std::optional<Tensor>>
   for (const auto& g : dys)
     if (g && !like) like = &*g;
   TORCH_CHECK(like, "qkv_backward: no part has a gradient (got ", dys.size(), " parts, all None)");
-  check(*like, "dy");
   TORCH_CHECK(like->dim() == 4, "each part's dy must be [batch, heads, len, d_head], got ", like->sizes());
   std::vector<const void*> parts;
+  std::vector<ls::PartStrides> strides;
   for (const auto& g : dys) {
     if (g) {
-      check_like(*g, *like, "dy", "the first given part's dy");
+      // any layout of (batch, heads, len) as long as each row of d_head is contiguous
+      TORCH_CHECK(g->is_cuda(), "dy must be a CUDA tensor, got one on ", g->device());
+      TORCH_CHECK(g->scalar_type() == like->scalar_type() && g->device() == like->device(),
+                  "every part's dy must have the first given part's dtype ", like->scalar_type(), " and device ",
+                  like->device(), ", got ", g->scalar_type(), " on ", g->device());
       check_shape(*g, like->sizes(), "dy");
+      TORCH_CHECK(g->stride(3) == 1 || g->size(3) == 1, "each part's dy must have contiguous rows of d_head "
+                  "(stride 1 in the last dimension), got strides ", g->strides());
     }
     parts.push_back(g ? g->data_ptr() : nullptr);
+    strides.push_back(g ? ls::PartStrides{g->stride(0), g->stride(1), g->stride(2)} : ls::PartStrides{0, 0, 0});
   }
   const int64_t P = int64_t(dys.size()), B = like->size(0), H = like->size(1), T = like->size(2), D = like->size(3);
   check_tokens(B, T);
@@ -336,8 +343,8 @@ std::tuple<Tensor, Tensor> qkv_backward(const std::vector<std::optional<Tensor>>
   auto dx = torch::empty({B, T, P * H * D}, like->options());
   auto [dbias, dbias_out] = grad_out(dbias_into, *like, {P * H * D}, "dbias_into");
   auto partial = torch::empty({ls::column_chunks(B * T) * P * H * D}, like->options().dtype(at::kFloat));
-  ls::qkv_backward(dtype_of(*like, "dy"), parts.data(), dx.data_ptr(), dbias_out, partial.data_ptr<float>(), int(B),
-                   int(T), int(P), int(H), int(D), float(first_scale), stream());
+  ls::qkv_backward(dtype_of(*like, "dy"), parts.data(), strides.data(), dx.data_ptr(), dbias_out,
+                   partial.data_ptr<float>(), int(B), int(T), int(P), int(H), int(D), float(first_scale), stream());
   CHECK_CUDA_OK();
   return {dx, dbias};
 }

@@ -77,11 +77,16 @@ void softmax_backward(DType dt, const void* dout, const void* probs, const uint8
 // qkv.cu: x [B, T, parts * d] + bias -> out [parts, B, heads, T, d_head]
 void qkv_forward(DType dt, const void* x, const void* bias, void* out, int batch, int len, int parts, int heads,
                  int head_dim, float first_scale, cudaStream_t stream);
-// backward: dy[k] part k's gradient [B, heads, T, d_head] (nullptr: zero) -> dx [B, T, parts * d]; a launch
-// takes up to kQkvMaxParts parts (their pointers travel as a kernel argument), more parts take more launches
+// backward: dy[k] part k's gradient [B, heads, T, d_head] (nullptr: zero), any strides over (B, heads, T) in
+// elements with d_head contiguous -> dx [B, T, parts * d]; a launch takes up to kQkvMaxParts parts (their
+// pointers and strides travel as a kernel argument), more parts take more launches
 constexpr int kQkvMaxParts = 16;
-void qkv_backward(DType dt, const void* const* dy, void* dx, GradOut dbias, float* partial, int batch, int len,
-                  int parts, int heads, int head_dim, float first_scale, cudaStream_t stream);
+struct PartStrides {
+  int64_t batch, head, len;
+};
+void qkv_backward(DType dt, const void* const* dy, const PartStrides* dy_strides, void* dx, GradOut dbias,
+                  float* partial, int batch, int len, int parts, int heads, int head_dim, float first_scale,
+                  cudaStream_t stream);
 
 // embedding.cu: tokens/positions [n] (int64); pos_weight the learned or sinusoid table
 void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions, const void* weight,

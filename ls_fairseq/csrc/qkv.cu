@@ -6,8 +6,9 @@
 // keys and values of all L decoder layers' cross-attention from one GEMM.
 // Backward: dx[b, t, c] = dy_part[b, head, t, i] (x first_scale for part 0),
 // dbias = column sum of dx, fused into the same pass. Each part's gradient comes
-// as its own tensor (as autograd hands them over), so they are never stacked into
-// one [parts, ...] copy first.
+// as its own tensor (as autograd hands them over), read through its own strides
+// (attention backwards return some as views of a [B, T, heads, d_head] buffer), so
+// they are never stacked into one [parts, ...] copy, nor made contiguous, first.
 #include "common.cuh"
 #include "reduce.cuh"
 
@@ -60,9 +61,11 @@ __global__ void qkv_forward_kernel(const T* __restrict__ x, const T* __restrict_
   }
 }
 
-// This launch's parts of dy, each [B, heads, T, d_head] (nullptr: a part without gradient, zero).
+// This launch's parts of dy, each [B, heads, T, d_head] with its strides (nullptr: a part without
+// gradient, zero).
 struct PartGrads {
   const void* p[kQkvMaxParts];
+  PartStrides stride[kQkvMaxParts];
 };
 
 template <typename T>
@@ -78,7 +81,8 @@ struct QkvBackwardMap {
     const T* g = static_cast<const T*>(dy.p[part]);
     if (g) {
       const int b = int(r) / len, t = int(r) - b * len;
-      load<T, N>(g + ((int64_t(b) * heads + h) * len + t) * head_dim + i, v[0]);
+      const PartStrides st = dy.stride[part];
+      load<T, N>(g + b * st.batch + h * st.head + t * st.len + i, v[0]);
     }
     const float s = part == 0 ? first_scale : 1.f;
 #pragma unroll
@@ -106,18 +110,26 @@ void qkv_forward(DType dt, const void* x, const void* bias, void* out, int batch
   })
 }
 
-void qkv_backward(DType dt, const void* const* dy, void* dx, GradOut dbias, float* partial, int batch, int len,
-                  int parts, int heads, int head_dim, float first_scale, cudaStream_t stream) {
+void qkv_backward(DType dt, const void* const* dy, const PartStrides* dy_strides, void* dx, GradOut dbias,
+                  float* partial, int batch, int len, int parts, int heads, int head_dim, float first_scale,
+                  cudaStream_t stream) {
   const int64_t rows = int64_t(batch) * len;
   const int d = heads * head_dim;
   LS_DISPATCH(dt, {
-    bool vec = head_dim % kVec<T> == 0 && aligned16(dx);
-    for (int k = 0; k < parts; ++k) vec = vec && aligned16(dy[k]);
+    constexpr int V = kVec<T>;
+    bool vec = head_dim % V == 0 && aligned16(dx);
+    for (int k = 0; k < parts; ++k) {
+      const PartStrides& st = dy_strides[k];
+      vec = vec && aligned16(dy[k]) && st.batch % V == 0 && st.head % V == 0 && st.len % V == 0;
+    }
     // parts in groups of kQkvMaxParts: each group is its own range of dx's and dbias' columns
     for (int p0 = 0; p0 < parts; p0 += kQkvMaxParts) {
       const int n = parts - p0 < kQkvMaxParts ? parts - p0 : kQkvMaxParts;
       PartGrads g{};
-      for (int k = 0; k < n; ++k) g.p[k] = dy[p0 + k];
+      for (int k = 0; k < n; ++k) {
+        g.p[k] = dy[p0 + k];
+        g.stride[k] = dy_strides[p0 + k];
+      }
       const QkvBackwardMap<T> f{g, (T*)dx + int64_t(p0) * d, int64_t(parts) * d, len, heads, head_dim,
                                 p0 == 0 ? first_scale : 1.f};
       const GradOut group_bias{static_cast<T*>(dbias.ptr) + int64_t(p0) * d, dbias.accumulate};

@@ -52,7 +52,9 @@ class QKVFunction(torch.autograd.Function):
         if all(g is None for g in dys):
             return None, None, None, None, None
         into = dispatch.grad_in_place(ctx.bias)
-        dx, dbias = ctx.bwd([None if g is None else g.contiguous() for g in dys], ctx.first_scale, into)
+        # any layout of the parts' (B, heads, T) (attention backwards give views); rows of d_head contiguous
+        dys = [g if g is None or g.stride(-1) == 1 else g.contiguous() for g in dys]
+        dx, dbias = ctx.bwd(dys, ctx.first_scale, into)
         return dx, dispatch.for_autograd(dbias, into), None, None, None
 
 
