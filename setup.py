@@ -44,7 +44,7 @@ def cuda_extension():
         sources=sources,
         include_dirs=[os.path.join(here, "ls_fairseq", "csrc")],
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17"],
+            "cxx": ["-O3", "-std=c++20"],
             # no --use_fast_math: the sinusoids and gelu's erf must match fairseq's fp32 values
             "nvcc": ["-O3", "-std=c++20", "-lineinfo", "--expt-relaxed-constexpr"],
         },

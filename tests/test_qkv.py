@@ -6,14 +6,17 @@ from ls_fairseq import ops
 from ls_fairseq.ops.qkv import qkv_backward_reference, qkv_forward_reference
 
 
+@pytest.mark.parametrize("token_major", (False, True))
 @pytest.mark.parametrize("B,T,H,D,parts", [(1, 1, 1, 4, 3), (2, 7, 4, 8, 3), (3, 5, 2, 6, 1), (2, 3, 2, 4, 4)])
-def test_split_heads_matches_view_permute(B, T, H, D, parts):
+def test_split_heads_matches_view_permute(B, T, H, D, parts, token_major):
     x = torch.randn(B, T, parts * H * D, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(parts * H * D, dtype=torch.float64, requires_grad=True)
-    out = ops.split_heads(x, bias, H, parts, 0.125)
+    out = ops.split_heads(x, bias, H, parts, 0.125, token_major)
     ref = [(c.view(B, T, H, D).transpose(1, 2)) for c in (x + bias).chunk(parts, dim=-1)]
     ref[0] = ref[0] * 0.125
     assert len(out) == parts
+    # token-major parts merge their heads without a copy: views of [parts, B, T, heads, d_head]
+    assert all((o.transpose(1, 2) if token_major else o).is_contiguous() for o in out)
     ups = [torch.randn_like(o) for o in out]
     for o, r in zip(out, ref):
         assert_close(o, r)
@@ -50,23 +53,25 @@ def test_indivisible_width_is_an_error():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("token_major", (False, True))
 @pytest.mark.parametrize(
     "B,T,H,D,parts,missing",
     [(2, 7, 4, 64, 3, ()), (3, 33, 16, 64, 1, ()), (1, 1, 2, 6, 2, ()), (4, 257, 16, 64, 12, (5,)),
      (2, 9, 2, 8, 18, (0, 17))],  # 18 parts: two launches (16 parts each at most); missing parts: no gradient
 )
-def test_kernel_matches_reference(dtype, B, T, H, D, parts, missing):
+def test_kernel_matches_reference(dtype, B, T, H, D, parts, missing, token_major):
     x = torch.randn(B, T, parts * H * D, device="cuda").to(dtype)
     b = torch.randn(parts * H * D, device="cuda").to(dtype)
     dys = [None if k in missing else torch.randn(B, H, T, D, device="cuda").to(dtype) for k in range(parts)]
     ext = kernel("qkv", x)
     poison()
-    out = ext.qkv_forward(x, b, H, parts, D**-0.5)
+    out = ext.qkv_forward(x, b, H, parts, D**-0.5, token_major)
     poison()
     dx, db = ext.qkv_backward(dys, D**-0.5, None)
-    out64 = qkv_forward_reference(x.double(), b.double(), H, parts, D**-0.5)
+    out64 = qkv_forward_reference(x.double(), b.double(), H, parts, D**-0.5, token_major)
+    assert out.stride() == out64.stride()
     dx64, db64 = qkv_backward_reference([None if g is None else g.double() for g in dys], D**-0.5)
-    out_l = qkv_forward_reference(x, b, H, parts, D**-0.5)
+    out_l = qkv_forward_reference(x, b, H, parts, D**-0.5, token_major)
     dx_l, db_l = qkv_backward_reference(dys, D**-0.5)
     for o, ref, low, name in ((out, out64, out_l, "out"), (dx, dx64, dx_l, "dx"), (db, db64, db_l, "dbias")):
         check_kernel(o, ref, low, name)

@@ -296,7 +296,8 @@ void check_tokens(int64_t batch, int64_t len) {
   TORCH_CHECK(batch * len < (int64_t(1) << 31), "qkv: batch x len must be below 2^31 tokens, got ", batch, " x ", len);
 }
 
-Tensor qkv_forward(const Tensor& x, const Tensor& bias, int64_t num_heads, int64_t num_parts, double first_scale) {
+Tensor qkv_forward(const Tensor& x, const Tensor& bias, int64_t num_heads, int64_t num_parts, double first_scale,
+                   bool token_major) {
   check(x, "x");
   TORCH_CHECK(x.dim() == 3, "x must be [batch, len, parts * d], got ", x.sizes());
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2);
@@ -307,9 +308,11 @@ Tensor qkv_forward(const Tensor& x, const Tensor& bias, int64_t num_heads, int64
   const int64_t D = C / num_parts / num_heads;
   check_tokens(B, T);
   const c10::cuda::CUDAGuard guard(x.device());
-  auto out = torch::empty({num_parts, B, num_heads, T, D}, x.options());
+  // [parts, B, heads, T, d_head] either way: token-major as a view of [parts, B, T, heads, d_head]
+  auto out = token_major ? torch::empty({num_parts, B, T, num_heads, D}, x.options()).transpose(2, 3)
+                         : torch::empty({num_parts, B, num_heads, T, D}, x.options());
   ls::qkv_forward(dtype_of(x, "x"), x.data_ptr(), bias.data_ptr(), out.data_ptr(), int(B), int(T), int(num_parts),
-                  int(num_heads), int(D), float(first_scale), stream());
+                  int(num_heads), int(D), token_major, float(first_scale), stream());
   CHECK_CUDA_OK();
   return out;
 }

@@ -74,9 +74,10 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
 void softmax_backward(DType dt, const void* dout, const void* probs, const uint8_t* mask, void* dscores,
                       int64_t rows, int tk, float p, cudaStream_t stream);
 
-// qkv.cu: x [B, T, parts * d] + bias -> out [parts, B, heads, T, d_head]
+// qkv.cu: x [B, T, parts * d] + bias -> out [parts, B, heads, T, d_head], or with token_major
+// [parts, B, T, heads, d_head]
 void qkv_forward(DType dt, const void* x, const void* bias, void* out, int batch, int len, int parts, int heads,
-                 int head_dim, float first_scale, cudaStream_t stream);
+                 int head_dim, bool token_major, float first_scale, cudaStream_t stream);
 // backward: dy[k] part k's gradient [B, heads, T, d_head] (nullptr: zero), any strides over (B, heads, T) in
 // elements with d_head contiguous -> dx [B, T, parts * d]; a launch takes up to kQkvMaxParts parts (their
 // pointers and strides travel as a kernel argument), more parts take more launches

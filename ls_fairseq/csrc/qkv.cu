@@ -1,7 +1,9 @@
 // qkv: bias add + split into heads (LightSeq2's QKV transform).
 // x [B, T, parts * d] (a projection GEMM's output, without bias) -> out
-// [parts, B, heads, T, d_head]; part 0 scaled by first_scale (1/sqrt(d_head)
-// for a query). x + bias is never written in the GEMM's layout; the permuted
+// [parts, B, heads, T, d_head] (head-major), or [parts, B, T, heads, d_head]
+// (token-major: what FlashAttention and the memory-efficient kernel keep, so their
+// output merges its heads for the out projection without a copy); part 0 scaled by
+// first_scale (1/sqrt(d_head) for a query). x + bias is never written in the GEMM's layout; the permuted
 // copy is the only write. parts = 3: self-attention q, k, v; parts = 2L: the
 // keys and values of all L decoder layers' cross-attention from one GEMM.
 // Backward: dx[b, t, c] = dy_part[b, head, t, i] (x first_scale for part 0),
@@ -16,11 +18,14 @@ namespace ls {
 
 struct HeadLayout {
   int batch, len, parts, heads, head_dim;
-  // offset in [parts, B, heads, T, d_head] of element (b, t, c) of [B, T, parts * d]; row = b * T + t
+  bool token_major;
+  // offset in out of element (b, t, c) of [B, T, parts * d]; row = b * T + t
   // (32-bit division: a batch holds fewer than 2^31 tokens, checked by the bindings)
   __device__ int64_t split_offset(int row, int c) const {
     const int d = heads * head_dim;
-    const int part = c / d, h = (c % d) / head_dim, i = c % head_dim;
+    const int part = c / d;
+    if (token_major) return (int64_t(part) * batch * len + row) * d + c % d;
+    const int h = (c % d) / head_dim, i = c % head_dim;
     const int b = row / len, t = row - b * len;
     return (((int64_t(part) * batch + b) * heads + h) * len + t) * head_dim + i;
   }
@@ -42,8 +47,8 @@ __global__ void qkv_forward_kernel(const T* __restrict__ x, const T* __restrict_
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
       if (row0 + r < rows) load<T, V>(x + int64_t(row0 + r) * cols + c, v[r]);
-    // rows row0 + r are (b, t0 + r) until t wraps: offsets step by head_dim, and by
-    // (heads - 1) * len * head_dim more where a new sentence starts
+    // rows row0 + r are (b, t0 + r) until t wraps: token-major offsets step by d; head-major
+    // ones by head_dim, and by (heads - 1) * len * head_dim more where a new sentence starts
     int64_t o = L.split_offset(row0, c);
     int t = row0 % L.len;
 #pragma unroll
@@ -52,6 +57,10 @@ __global__ void qkv_forward_kernel(const T* __restrict__ x, const T* __restrict_
 #pragma unroll
       for (int k = 0; k < V; ++k) v[r][k] = (v[r][k] + bv[k]) * s;
       store<T, V>(out + o, v[r]);
+      if (L.token_major) {
+        o += L.heads * L.head_dim;
+        continue;
+      }
       o += L.head_dim;
       if (++t == L.len) {
         t = 0;
@@ -92,11 +101,11 @@ struct QkvBackwardMap {
 };
 
 void qkv_forward(DType dt, const void* x, const void* bias, void* out, int batch, int len, int parts, int heads,
-                 int head_dim, float first_scale, cudaStream_t stream) {
+                 int head_dim, bool token_major, float first_scale, cudaStream_t stream) {
   const int64_t rows = int64_t(batch) * len;
   const int cols = parts * heads * head_dim;
   if (rows == 0) return;
-  HeadLayout L{batch, len, parts, heads, head_dim};
+  HeadLayout L{batch, len, parts, heads, head_dim, token_major};
   LS_DISPATCH(dt, {
     constexpr int V = kVec<T>;
     const bool vec = head_dim % V == 0 && aligned16(x) && aligned16(bias) && aligned16(out);

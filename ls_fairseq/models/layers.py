@@ -4,7 +4,8 @@ Each layer holds only parameters (named as in fairseq's transformer, except the
 fused projections) and runs: GEMMs through torch (cuBLAS on the GPU), every
 other operation through one fused op. Activations are batch-major [B, T, d].
 
-  self-attention:  LN? -> GEMM(qkv) -> split_heads(+bias, q scaled) -> attention
+  self-attention:  LN? -> GEMM(qkv) -> split_heads(+bias, q scaled; token-major, so that
+                   attention's output merges its heads as a view) -> attention
                    -> GEMM(out, heads merged inside) -> bias_dropout_residual -> LN?
   FFN:             LN? -> GEMM(fc1) -> bias_act_dropout -> GEMM(fc2)
                    -> bias_dropout_residual -> LN?
@@ -77,7 +78,8 @@ class _Layer(nn.Module):
     def _self_attention(self, x, mask, cache=None):
         attn = self.self_attn
         h = self._norm(x, self.self_attn_layer_norm, True)
-        q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight), attn.qkv_proj.bias, attn.num_heads, 3, attn.scaling)
+        q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight), attn.qkv_proj.bias, attn.num_heads, 3, attn.scaling,
+                                  token_major=True)
         if cache is not None:
             if "k" in cache:
                 k = torch.cat([cache["k"], k], dim=2)

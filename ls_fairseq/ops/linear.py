@@ -15,9 +15,11 @@ from ls_fairseq.ops.qkv import merge_heads
 
 class LinearFunction(torch.autograd.Function):
     """``heads``: x is attention's output [B, heads, T, d_head], merged into [B, T, d] for the
-    GEMM. The merged copy is not kept: backward merges again (one copy kernel), while x itself
-    costs nothing, since the attention keeps it for its own backward (LightSeq2's
-    backward-dependency reuse: 2 bytes x tokens x d per attention block less at the peak)."""
+    GEMM: a view when x is token-major (self-attention: split_heads(token_major=True) and
+    scaled_dot_product_attention keep that layout), else a copy, which is not kept: backward
+    merges again, while x itself costs nothing, since the attention keeps it for its own
+    backward (LightSeq2's backward-dependency reuse: 2 bytes x tokens x d per attention block
+    less at the peak)."""
 
     @staticmethod
     def forward(ctx, x, weight, heads):

@@ -3,7 +3,10 @@
 split_heads: x [B, T, parts * d] (a projection GEMM's output, bias not yet
 added) -> ``parts`` tensors [B, heads, T, d / heads]; the first is multiplied
 by ``first_scale`` (1/sqrt(d_head) for a query, folded in here as fairseq
-scales q after its bias). parts = 3 gives q, k, v of self-attention; parts = 2L
+scales q after its bias). ``token_major``: the parts are views of
+[parts, B, T, heads, d_head] storage, the layout FlashAttention and the
+memory-efficient kernel work in: their output then keeps it, and merging its
+heads for the out projection is a view, not a copy (forward and backward). parts = 3 gives q, k, v of self-attention; parts = 2L
 gives the keys and values of all L decoder layers' cross-attention from one
 GEMM. x + bias is never stored. merge_heads is the inverse layout change for
 the attention output (ops.linear(..., heads=True) applies it inside the output
@@ -14,14 +17,16 @@ import torch
 from ls_fairseq.ops import dispatch
 
 
-def qkv_forward_reference(x, bias, num_heads, num_parts, first_scale):
+def qkv_forward_reference(x, bias, num_heads, num_parts, first_scale, token_major=False):
     B, T, C = x.shape
     d = C // num_parts
     y = (dispatch.upcast(x) + dispatch.upcast(bias)).view(B, T, num_parts, num_heads, d // num_heads)
-    y = y.permute(2, 0, 3, 1, 4)
-    scale = torch.ones(num_parts, 1, 1, 1, 1, device=x.device)
+    scale = torch.ones(num_parts, 1, 1, device=x.device)
     scale[0] = first_scale
-    return (y * scale).to(x.dtype).contiguous()
+    y = (y * scale).to(x.dtype)
+    if token_major:
+        return y.permute(2, 0, 1, 3, 4).contiguous().transpose(2, 3)
+    return y.permute(2, 0, 3, 1, 4).contiguous()
 
 
 def qkv_backward_reference(dys, first_scale, dbias_into=None):
@@ -41,32 +46,33 @@ class QKVFunction(torch.autograd.Function):
     stack them into one new tensor first (a copy of all of dy, and one more kernel, per call)."""
 
     @staticmethod
-    def forward(ctx, x, bias, num_heads, num_parts, first_scale):
+    def forward(ctx, x, bias, num_heads, num_parts, first_scale, token_major):
         fwd, bwd = dispatch.implementation("qkv", x, qkv_forward_reference, qkv_backward_reference)
         ctx.bwd, ctx.first_scale, ctx.bias = bwd, first_scale, bias
         ctx.set_materialize_grads(False)  # a part without gradient arrives as None, not as zeros
-        return fwd(x.contiguous(), bias, num_heads, num_parts, first_scale).unbind(0)
+        return fwd(x.contiguous(), bias, num_heads, num_parts, first_scale, token_major).unbind(0)
 
     @staticmethod
     def backward(ctx, *dys):
         if all(g is None for g in dys):
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         into = dispatch.grad_in_place(ctx.bias)
         # any layout of the parts' (B, heads, T) (attention backwards give views); rows of d_head contiguous
         dys = [g if g is None or g.stride(-1) == 1 else g.contiguous() for g in dys]
         dx, dbias = ctx.bwd(dys, ctx.first_scale, into)
-        return dx, dispatch.for_autograd(dbias, into), None, None, None
+        return dx, dispatch.for_autograd(dbias, into), None, None, None, None
 
 
-def split_heads(x, bias, num_heads, num_parts, first_scale=1.0):
-    """[B, T, parts*d] + bias -> tuple of ``parts`` tensors [B, heads, T, d_head]."""
+def split_heads(x, bias, num_heads, num_parts, first_scale=1.0, token_major=False):
+    """[B, T, parts*d] + bias -> tuple of ``parts`` tensors [B, heads, T, d_head]; ``token_major``:
+    views of [parts, B, T, heads, d_head] storage (for scaled_dot_product_attention)."""
     if x.dim() != 3 or x.shape[-1] % (num_parts * num_heads) != 0 or bias.numel() != x.shape[-1]:
         raise ValueError(
             "split_heads: x {} must be [batch, len, parts*d] with parts={} and d divisible by heads={}, bias {} of size parts*d".format(
                 tuple(x.shape), num_parts, num_heads, tuple(bias.shape)
             )
         )
-    return QKVFunction.apply(x, bias, num_heads, num_parts, first_scale)
+    return QKVFunction.apply(x, bias, num_heads, num_parts, first_scale, token_major)
 
 
 def merge_heads(x):

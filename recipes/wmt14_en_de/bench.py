@@ -48,6 +48,7 @@ SYSTEMS = {
     # forward and backward replayed from a CUDA graph per batch shape (captured at a shape's second batch;
     # lengths padded to multiples of 8 so that batches share shapes): see --steady-from-epoch
     "ls-fp16-graphs": LS + (["--fp16", "--ls-cuda-graphs", "--required-seq-len-multiple", "8"], "ls_fairseq.train"),
+    "ls-bf16-graphs": LS + (["--bf16", "--ls-cuda-graphs", "--required-seq-len-multiple", "8"], "ls_fairseq.train"),
     "ls-bf16": LS + (["--memory-efficient-bf16"], "ls_fairseq.train"),
     "ls-bf16-master": LS + (["--bf16"], "ls_fairseq.train"),
     # the plugin under plain fairseq-train --user-dir: fairseq's FP16Optimizer and host-side checks
