@@ -34,12 +34,17 @@ def tensors(s):
 def test_kernel_matches_reference(dtype, n, master, decoupled, wd):
     a = state(n, dtype, "cuda", master)
     b = {k: (v.clone() if v is not None else None) for k, v in a.items()}
+    # exp_avg = beta1 m + (1 - beta1) g (+ wd p) may cancel (few elements: by chance): its error is
+    # bounded by the terms' sizes, each rounded in fp32, not by the result's
+    g = a["grad"].float() / 100.0 + (0 if decoupled else wd * a["param"].float().abs())
+    terms = ARGS["beta1"] * a["exp_avg"].abs() + (1 - ARGS["beta1"]) * g.abs()
     ext = kernel("adam", a["param"])
     scale = torch.tensor(1 / 100.0, device="cuda")  # a device scalar: no host sync
     hyper = (ARGS["lr"], ARGS["beta1"], ARGS["beta2"], ARGS["eps"], wd, ARGS["step"])
     ext.adam_step(*tensors(a), *hyper, scale, decoupled, None, False)
     adam_step_reference(*tensors(b), *hyper, 1 / 100.0, decoupled, None, False)
-    for key in ("exp_avg", "exp_avg_sq", "master"):
+    assert (a["exp_avg"] - b["exp_avg"]).double().norm() < 1e-5 * terms.double().norm(), "exp_avg"
+    for key in ("exp_avg_sq", "master"):
         if a[key] is not None:
             assert rel_error(a[key], b[key]) < 1e-5, key
     # parameters: at most one rounding step apart in the storage precision

@@ -198,7 +198,7 @@ def test_cuda_graphs_replay_the_eager_steps_bit_for_bit(data_bin, tmp_path):
     logs = {}
     for name, extra in (("eager", []), ("graphs", ["--ls-cuda-graphs"])):
         proc = run(cmd + gpu + extra + ["--save-dir", str(tmp_path / name)])
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, "{} run: {}".format(name, proc.stderr[-3000:])
         logs[name] = proc.stdout + proc.stderr
     assert "CUDA graph" not in logs["eager"] and "CUDA graph 1 captured" in logs["graphs"], logs["graphs"][-3000:]
     a, b = (torch.load(tmp_path / name / "checkpoint_last.pt", weights_only=True) for name in ("eager", "graphs"))

@@ -69,7 +69,7 @@ def test_kernel_matches_reference(dtype, B, T, H, D, parts, missing, token_major
     poison()
     dx, db = ext.qkv_backward(dys, D**-0.5, None)
     out64 = qkv_forward_reference(x.double(), b.double(), H, parts, D**-0.5, token_major)
-    assert out.stride() == out64.stride()
+    assert [st for st, n in zip(out.stride(), out.shape) if n > 1] == [st for st, n in zip(out64.stride(), out64.shape) if n > 1]
     dx64, db64 = qkv_backward_reference([None if g is None else g.double() for g in dys], D**-0.5)
     out_l = qkv_forward_reference(x, b, H, parts, D**-0.5, token_major)
     dx_l, db_l = qkv_backward_reference(dys, D**-0.5)
