@@ -43,10 +43,6 @@ def cuda_extension():
         name="ls_fairseq._C",
         sources=sources,
         include_dirs=[os.path.join(here, "ls_fairseq", "csrc")],
-        # bind every symbol at load time, right after torch's C++ runtime: resolved lazily, the C++
-        # exception path of a failing input check crashed the process on the H200 machine (a library
-        # loaded later by fairseq's imports interposing; LD_PRELOAD of the system libstdc++ also cures it)
-        extra_link_args=["-Wl,-z,now"],
         extra_compile_args={
             "cxx": ["-O3", "-std=c++20"],
             # no --use_fast_math: the sinusoids and gelu's erf must match fairseq's fp32 values

@@ -6,7 +6,8 @@ fairseq-train as users run it. Three epochs: the first is the warm-up (its wps
 is reported: a per-shape cost shows there), the others give the steady state
 (mean wps of their log intervals), and a few steps of the last are profiled
 (bench_hooks: kernel launches, GPU time, host synchronisations and optimizer
-time per step, host and kernel tables), those intervals left out of the mean.
+time per step, host and kernel tables), those intervals left out of the mean,
+as are the intervals in which a CUDA graph was captured (graphed systems).
 Per point also: ups, the wall time of a step, peak GPU memory over the run,
 MFU, and the speed-up over stock fairseq --fp16 (its fastest setting). Writes
 results.json, a Markdown table (printed last), a PNG plot and TensorBoard
@@ -28,6 +29,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO)
 from ls_fairseq.flops import training_flops_per_target_token  # noqa: E402 (the checkout's package)
 PEAK_TFLOPS = 989.0  # dense fp16/bf16, H100/H200
+CAPTURED = "ls_fairseq: CUDA graph "  # ls_fairseq.cuda_graphs' log line for each capture
 
 LOG_INTERVAL = 10
 # NVLink multicast stays off in NCCL, PyTorch and NVSHMEM (shared multi-GPU hosts)
@@ -64,6 +66,27 @@ def flops_per_target_token(arch, vocab=32000, length=30.0):
     return training_flops_per_target_token(d, f, enc, dec, vocab, length * 28.0 / 30.0, length, 28.0 / 30.0)
 
 
+def steady_intervals(log, profiled, steady_from):
+    """The fields of the log intervals (train_inner lines) that make the steady state: from epoch
+    ``steady_from`` on, without the ``profiled`` updates, nor those during which a CUDA graph was
+    captured (at several GPUs each rank captures the shapes it meets, some of them only in later
+    epochs, and the other ranks wait for it)."""
+    skipped = set(profiled)
+    steady, done = [], 0
+    for line in log.splitlines():
+        if CAPTURED in line:
+            skipped.add(done + 1)
+        m = re.search(r"\| train_inner \| epoch (\d+):.*", line)
+        if not m:
+            continue
+        fields = dict(re.findall(r"(\w+)=([\d.]+)", m.group(0)))
+        update = int(fields["num_updates"])
+        done = max(done, update)
+        if int(m.group(1)) >= steady_from and not any(update - LOG_INTERVAL < u <= update for u in skipped):
+            steady.append(fields)
+    return steady
+
+
 def run(system, arch, max_tokens, gpus, data, epochs, work, steady_from=2):
     """One fairseq-train run; ``gpus`` > 1: fairseq's data-parallel training over that many GPUs
     (--max-tokens per GPU), the plugin's gradients all-reduced over its workspace (legacy_ddp)."""
@@ -98,15 +121,12 @@ def run(system, arch, max_tokens, gpus, data, epochs, work, steady_from=2):
     if os.path.exists(hooks_out):
         with open(hooks_out) as f:
             hooks = json.load(f)
-    profiled = hooks.get("profiled_updates", [])
-    steady = []
-    for m in re.finditer(r"\| train_inner \| epoch (\d+):.*", log):
-        fields = dict(re.findall(r"(\w+)=([\d.]+)", m.group(0)))
-        update = int(fields["num_updates"])
-        if int(m.group(1)) >= steady_from and not any(update - LOG_INTERVAL < u <= update for u in profiled):
-            steady.append(fields)
+    steady = steady_intervals(log, hooks.get("profiled_updates", []), steady_from)
     first_epoch = re.search(r"\| train \| epoch 001 \|.*? wps ([\d.]+)", log)
-    if steady:
+    if not steady:
+        result["error"] = ("no steady-state log interval from epoch {}: each one profiled or capturing a CUDA "
+                           "graph (more --epochs)".format(steady_from))
+    else:
         result["wps"] = sum(float(v["wps"]) for v in steady) / len(steady)
         result["ups"] = sum(float(v["ups"]) for v in steady) / len(steady)
         result["step_ms"] = 1000.0 / result["ups"]
@@ -195,9 +215,11 @@ def main():
     parser.add_argument("--systems", default="stock-fp16,ls-fp16-master,ls-bf16-master", help=", ".join(SYSTEMS))
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--steady-from-epoch", type=int, default=2,
-                        help="steady state: the log intervals from this epoch on. ls-fp16-graphs captures a shape at its "
-                        "second batch; fairseq repeats an epoch's batches (shuffled), so from epoch 3 on every step "
-                        "replays (the synthetic data at 8,192 tokens: 107 batches an epoch, 66 shapes): use 3")
+                        help="steady state: the log intervals from this epoch on (those that captured a CUDA graph "
+                        "left out). The graphed systems capture a shape at its second batch; fairseq repeats an "
+                        "epoch's batches (shuffled), so on one GPU every step of epoch 3 replays (the synthetic data "
+                        "at 8,192 tokens: 107 batches an epoch, 66 shapes): use 3. On N GPUs each rank sees 1/N of "
+                        "an epoch's batches and meets its shapes later: use more --epochs (2 GPUs: 5, from 4)")
     parser.add_argument("--pairs", type=int, default=24000)
     parser.add_argument("--gpus", default="1", help="GPU counts, e.g. 1,2 (data-parallel, --max-tokens per GPU)")
     args = parser.parse_args()

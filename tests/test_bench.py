@@ -1,0 +1,30 @@
+"""The speed benchmark's steady state: which log intervals it averages."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "wmt14_en_de"))
+import bench  # noqa: E402
+
+
+def interval(epoch, update, wps):
+    return "2026-11-29 19:00:40 | INFO | train_inner | epoch {:03d}:     3 / 107 loss=15.1, wps={}, ups=30, " \
+           "num_updates={}, lr=1e-05".format(epoch, wps, update)
+
+
+def captured(n):
+    return "2026-11-29 19:00:40 | INFO | ls_fairseq.cuda_graphs | {}{} captured for the batch shape " \
+           "src_tokens=[8, 24]".format(bench.CAPTURED, n)
+
+
+def test_steady_state_leaves_out_early_epochs_profiled_and_capturing_intervals():
+    # two ranks log each interval; rank 1 captures a graph during updates 31..40, after both
+    # ranks logged update 30; updates 51..60 are profiled
+    log = [interval(1, 10, 100)]
+    for update in (20, 30, 40, 50, 60, 70):
+        for _rank in range(2):
+            log.append(interval(2 if update <= 30 else 3, update, 1000 + update))
+        if update == 30:
+            log.append(captured(7))
+    steady = bench.steady_intervals("\n".join(log), profiled=[55], steady_from=3)
+    assert [int(f["num_updates"]) for f in steady] == [50, 50, 70, 70]
+    assert [float(f["wps"]) for f in steady] == [1050, 1050, 1070, 1070]
