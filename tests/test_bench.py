@@ -28,3 +28,11 @@ def test_steady_state_leaves_out_early_epochs_profiled_and_capturing_intervals()
     steady = bench.steady_intervals("\n".join(log), profiled=[55], steady_from=3)
     assert [int(f["num_updates"]) for f in steady] == [50, 50, 70, 70]
     assert [float(f["wps"]) for f in steady] == [1050, 1050, 1070, 1070]
+
+
+def test_first_updates_wps_is_tokens_over_time_of_each_update_once():
+    # updates 10 and 20 logged by two ranks (counted once), 30 profiled, 40 past the first 30 updates
+    log = [interval(1, 10, 1000).replace("ups=30", "ups=10"), interval(1, 10, 1000).replace("ups=30", "ups=10"),
+           interval(1, 20, 4000).replace("ups=30", "ups=40"), interval(1, 30, 1), interval(1, 40, 1)]
+    # 10 updates in 1 s at 1000 wps, 10 in 0.25 s at 4000 wps: 2000 tokens in 1.25 s
+    assert bench.first_updates_wps("\n".join(log), profiled=[25], updates=30) == 2000 / 1.25

@@ -87,6 +87,23 @@ def steady_intervals(log, profiled, steady_from):
     return steady
 
 
+def first_updates_wps(log, profiled, updates=200):
+    """wps over the first ``updates`` updates (target tokens over wall time, from the log intervals
+    that end by then; the profiled ones left out; each update once, whichever rank logged it)."""
+    tokens = seconds = 0.0
+    seen = set()
+    for m in re.finditer(r"\| train_inner \| epoch \d+:.*", log):
+        fields = dict(re.findall(r"(\w+)=([\d.]+)", m.group(0)))
+        update = int(fields["num_updates"])
+        if update > updates or update in seen or any(update - LOG_INTERVAL < u <= update for u in profiled):
+            continue
+        seen.add(update)
+        interval = LOG_INTERVAL / float(fields["ups"])
+        seconds += interval
+        tokens += float(fields["wps"]) * interval
+    return tokens / seconds if seconds else None
+
+
 def run(system, arch, max_tokens, gpus, data, epochs, work, steady_from=2):
     """One fairseq-train run; ``gpus`` > 1: fairseq's data-parallel training over that many GPUs
     (--max-tokens per GPU), the plugin's gradients all-reduced over its workspace (legacy_ddp)."""
@@ -131,6 +148,7 @@ def run(system, arch, max_tokens, gpus, data, epochs, work, steady_from=2):
         result["ups"] = sum(float(v["ups"]) for v in steady) / len(steady)
         result["step_ms"] = 1000.0 / result["ups"]
     result["first_epoch_wps"] = float(first_epoch.group(1)) if first_epoch else None
+    result["first200_wps"] = first_updates_wps(log, hooks.get("profiled_updates", []))
     if hooks:
         result["peak_gib"] = hooks["peak_bytes"] / 2**30
         for key in ("kernels_per_step", "gpu_ms_per_step", "host_syncs_per_step", "host_sync_sites",
@@ -145,14 +163,15 @@ def table(results):
     """Markdown table; speed-up against stock fairseq at the same size and GPU count, scaling
     efficiency (wps over GPUs x the same system's one-GPU wps) where both were run."""
     lines = ["| arch | max-tokens | GPUs | system | wps (steady) | speed-up | scaling | ups | step ms | first-epoch wps | "
-             "peak GiB | kernels/step | GPU ms/step | host syncs/step | optimizer ms/step | MFU |",
-             "| --- " * 16 + "|"]
+             "first 200 updates wps (x steady) | peak GiB | kernels/step | GPU ms/step | host syncs/step | "
+             "optimizer ms/step | MFU |",
+             "| --- " * 17 + "|"]
     wps = {(r["arch"], r["max_tokens"], r.get("gpus", 1), r["system"]): r.get("wps") for r in results}
     for r in results:
         gpus = r.get("gpus", 1)
         if "wps" not in r:
             lines.append("| {} | {} | {} | {} | failed: {} |".format(r["arch"], r["max_tokens"], gpus, r["system"],
-                                                                      r.get("error", "?")) + " |" * 11)
+                                                                      r.get("error", "?")) + " |" * 12)
             continue
         ref = wps.get((r["arch"], r["max_tokens"], gpus, "stock-fp16"))
         one = wps.get((r["arch"], r["max_tokens"], 1, r["system"]))
@@ -160,10 +179,13 @@ def table(results):
         def fmt(key, spec):
             return spec.format(r[key]) if r.get(key) is not None else "-"
 
-        lines.append("| {} | {} | {} | {} | {:.0f} | {} | {} | {:.1f} | {:.1f} | {} | {} | {} | {} | {} | {} | {:.1%} |".format(
+        first = r.get("first200_wps")
+        lines.append("| {} | {} | {} | {} | {:.0f} | {} | {} | {:.1f} | {:.1f} | {} | {} | {} | {} | {} | {} | {} | {:.1%} |".format(
             r["arch"], r["max_tokens"], gpus, r["system"], r["wps"], "{:.2f}x".format(r["wps"] / ref) if ref else "-",
             "{:.0%}".format(r["wps"] / (gpus * one)) if gpus > 1 and one else "-",
-            r["ups"], r["step_ms"], fmt("first_epoch_wps", "{:.0f}"), fmt("peak_gib", "{:.1f}"), fmt("kernels_per_step", "{:.0f}"),
+            r["ups"], r["step_ms"], fmt("first_epoch_wps", "{:.0f}"),
+            "{:.0f} ({:.2f}x)".format(first, first / r["wps"]) if first else "-",
+            fmt("peak_gib", "{:.1f}"), fmt("kernels_per_step", "{:.0f}"),
             fmt("gpu_ms_per_step", "{:.1f}"), fmt("host_syncs_per_step", "{:.0f}"),
             fmt("optimizer_ms_per_step", "{:.2f}"), r["mfu"]))
     return "\n".join(lines)
