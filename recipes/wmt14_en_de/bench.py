@@ -66,25 +66,34 @@ def flops_per_target_token(arch, vocab=32000, length=30.0):
     return training_flops_per_target_token(d, f, enc, dec, vocab, length * 28.0 / 30.0, length, 28.0 / 30.0)
 
 
-def steady_intervals(log, profiled, steady_from):
-    """The fields of the log intervals (train_inner lines) that make the steady state: from epoch
-    ``steady_from`` on, without the ``profiled`` updates, nor those during which a CUDA graph was
-    captured (at several GPUs each rank captures the shapes it meets, some of them only in later
-    epochs, and the other ranks wait for it)."""
-    skipped = set(profiled)
-    steady, done = [], 0
+def log_intervals(log):
+    """(epoch, fields, captured) of each log interval (train_inner line) in ``log``: its numbers by
+    name, and whether a CUDA graph was captured during it (a capture line logged after the previous
+    interval's line, whichever rank logged either)."""
+    done, captures = 0, set()
     for line in log.splitlines():
         if CAPTURED in line:
-            skipped.add(done + 1)
+            captures.add(done + 1)
         m = re.search(r"\| train_inner \| epoch (\d+):.*", line)
-        if not m:
-            continue
-        fields = dict(re.findall(r"(\w+)=([\d.]+)", m.group(0)))
-        update = int(fields["num_updates"])
-        done = max(done, update)
-        if int(m.group(1)) >= steady_from and not any(update - LOG_INTERVAL < u <= update for u in skipped):
-            steady.append(fields)
-    return steady
+        if m:
+            fields = dict(re.findall(r"(\w+)=([\d.]+)", m.group(0)))
+            update = int(fields["num_updates"])
+            done = max(done, update)
+            yield int(m.group(1)), fields, within(update, captures)
+
+
+def within(update, updates):
+    """Whether any of ``updates`` falls in the log interval that ends at ``update``."""
+    return any(update - LOG_INTERVAL < u <= update for u in updates)
+
+
+def steady_intervals(log, profiled, steady_from):
+    """The fields of the log intervals that make the steady state: from epoch ``steady_from`` on,
+    without the ``profiled`` updates, nor those during which a CUDA graph was captured (at several
+    GPUs each rank captures the shapes it meets, some of them only in later epochs, and the other
+    ranks wait for it)."""
+    return [fields for epoch, fields, captured in log_intervals(log)
+            if epoch >= steady_from and not captured and not within(int(fields["num_updates"]), profiled)]
 
 
 def first_updates_wps(log, profiled, updates=200):
@@ -92,10 +101,9 @@ def first_updates_wps(log, profiled, updates=200):
     that end by then; the profiled ones left out; each update once, whichever rank logged it)."""
     tokens = seconds = 0.0
     seen = set()
-    for m in re.finditer(r"\| train_inner \| epoch \d+:.*", log):
-        fields = dict(re.findall(r"(\w+)=([\d.]+)", m.group(0)))
+    for _, fields, _ in log_intervals(log):
         update = int(fields["num_updates"])
-        if update > updates or update in seen or any(update - LOG_INTERVAL < u <= update for u in profiled):
+        if update > updates or update in seen or within(update, profiled):
             continue
         seen.add(update)
         interval = LOG_INTERVAL / float(fields["ups"])
