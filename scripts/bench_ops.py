@@ -236,6 +236,20 @@ def bench_adam(dtype, copy_bw):
                 fwd_bw_pct=100 * bytes_ / ls_ms / 1e6 / copy_bw, kernels="{:.0f} / {:.0f}".format(stock_k, ls_k))
 
 
+def bench_grad_norm(dtype, copy_bw):
+    """The gradient norm over the whole workspace (fp16/bf16, as ls_adam holds it) vs the norm
+    fairseq's FP16Optimizer takes of its flat fp32 gradient."""
+    n = 210_000_000
+    g = rand(n, dtype=dtype)
+    ls_ms, ls_k = kernel_ms(lambda _: ops.grad_norm(g), [None], 10)
+    del g
+    flat = torch.randn(n, device="cuda")
+    stock_ms, stock_k = kernel_ms(lambda _: torch.norm(flat, p=2, dtype=torch.float32), [None], 10)
+    return dict(op="grad_norm", stock_fwd_ms=stock_ms, ls_fwd_ms=ls_ms, fwd_speedup=stock_ms / ls_ms,
+                fwd_bw_pct=100 * n * (torch.finfo(dtype).bits // 8) / ls_ms / 1e6 / copy_bw,
+                kernels="{:.0f} / {:.0f}".format(stock_k, ls_k))
+
+
 def bench_linear(dtype):
     """The FFN's first GEMM, forward and backward, with the weight's gradient already allocated
     (ls_adam's workspace): autograd's mm into a new tensor plus an add into .grad, against
@@ -267,6 +281,7 @@ def main():
     torch.cuda.empty_cache()
     results.append(bench_linear(dtype))
     results.append(bench_adam(dtype, copy_bw))
+    results.append(bench_grad_norm(dtype, copy_bw))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(dtype=args.dtype, copy_gbps=copy_bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)

@@ -66,8 +66,9 @@ def test_kernel_noop_flag_leaves_everything_untouched(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 4097, 10_000_019])
-def test_kernel_grad_norm(dtype, n):
-    g = torch.randn(n, device="cuda").to(dtype)
+@pytest.mark.parametrize("offset", [0, 1])  # 16-byte loads and a tail; an unaligned start: element by element
+def test_kernel_grad_norm(dtype, n, offset):
+    g = torch.randn(n + offset, device="cuda").to(dtype)[offset:]
     ext = kernel("adam", g)
     assert rel_error(ext.grad_norm(g), grad_norm_reference(g.double())) < 1e-5
     g[n // 2] = float("inf")
