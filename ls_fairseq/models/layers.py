@@ -9,6 +9,10 @@ other operation through one fused op. Activations are batch-major [B, T, d].
                    -> GEMM(out, heads merged inside) -> bias_dropout_residual -> LN?
   FFN:             LN? -> GEMM(fc1) -> bias_act_dropout -> GEMM(fc2)
                    -> bias_dropout_residual -> LN?
+
+In backward the residual's gradient is not added by autograd: bias_dropout_residual hands it
+to the block's first op on x (the pre-LN LayerNorm, else the first GEMM, which accumulates
+into it), see ops.residual.
 """
 import math
 
@@ -69,17 +73,24 @@ class _Layer(nn.Module):
         self.fc2 = nn.Linear(ffn_dim, embed_dim)
         self.final_layer_norm = nn.LayerNorm(embed_dim)
 
-    def _norm(self, x, ln, before):
-        """Apply ``ln`` when it belongs at this point (before=True: block input)."""
-        if before == self.normalize_before:
-            return ops.layer_norm(x, ln.weight, ln.bias)
-        return x
+    def _block_output(self, x, ln):
+        """The block's output: LN(x) post-LN, x pre-LN."""
+        return x if self.normalize_before else ops.layer_norm(x, ln.weight, ln.bias)
+
+    def _block_input(self, x, ln):
+        """(h, residual, gemm_residual) for a block on x: h its branch's input (x, or LN(x) pre-LN);
+        residual the ops.ResidualGrad that hands the residual's gradient from the block's end to its
+        first op on x (pre-LN: the LayerNorm; post-LN: the first GEMM, given gemm_residual)."""
+        residual = ops.ResidualGrad()
+        if self.normalize_before:
+            return ops.layer_norm(x, ln.weight, ln.bias, residual_grad=residual), residual, None
+        return x, residual, residual
 
     def _self_attention(self, x, mask, cache=None):
         attn = self.self_attn
-        h = self._norm(x, self.self_attn_layer_norm, True)
-        q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight), attn.qkv_proj.bias, attn.num_heads, 3, attn.scaling,
-                                  token_major=True)
+        h, residual, gemm_residual = self._block_input(x, self.self_attn_layer_norm)
+        q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight, residual_grad=gemm_residual), attn.qkv_proj.bias,
+                                  attn.num_heads, 3, attn.scaling, token_major=True)
         if cache is not None:
             if "k" in cache:
                 k = torch.cat([cache["k"], k], dim=2)
@@ -87,16 +98,18 @@ class _Layer(nn.Module):
             cache["k"], cache["v"] = k, v
         ctx = ops.attention(q, k, v, mask, self.attention_dropout, self.training, self.deterministic)
         out = ops.linear(ctx, attn.out_proj.weight, heads=True)
-        x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training)
-        return self._norm(x, self.self_attn_layer_norm, False)
+        x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training, residual_grad=residual)
+        return self._block_output(x, self.self_attn_layer_norm)
 
     def _ffn(self, x):
-        h = self._norm(x, self.final_layer_norm, True)
+        h, residual, gemm_residual = self._block_input(x, self.final_layer_norm)
         h = ops.bias_act_dropout(
-            ops.linear(h, self.fc1.weight), self.fc1.bias, self.activation_fn, self.activation_dropout, self.training
+            ops.linear(h, self.fc1.weight, residual_grad=gemm_residual), self.fc1.bias, self.activation_fn,
+            self.activation_dropout, self.training
         )
-        x = ops.bias_dropout_residual(ops.linear(h, self.fc2.weight), self.fc2.bias, x, self.dropout, self.training)
-        return self._norm(x, self.final_layer_norm, False)
+        x = ops.bias_dropout_residual(ops.linear(h, self.fc2.weight), self.fc2.bias, x, self.dropout, self.training,
+                                      residual_grad=residual)
+        return self._block_output(x, self.final_layer_norm)
 
 
 class EncoderLayer(_Layer):
@@ -131,11 +144,12 @@ class DecoderLayer(_Layer):
         ``cache`` (a dict) holds the self-attention keys/values in incremental decoding."""
         x = self._self_attention(x, self_mask, cache=cache)
         attn = self.encoder_attn
-        h = self._norm(x, self.encoder_attn_layer_norm, True)
-        (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight), attn.q_proj.bias, attn.num_heads, 1, attn.scaling)
+        h, residual, gemm_residual = self._block_input(x, self.encoder_attn_layer_norm)
+        (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight, residual_grad=gemm_residual), attn.q_proj.bias,
+                               attn.num_heads, 1, attn.scaling)
         ctx = ops.attention(q, enc_k, enc_v, enc_mask, self.attention_dropout, self.training, self.deterministic,
                             fused_softmax=True)
         out = ops.linear(ctx, attn.out_proj.weight, heads=True)
-        x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training)
-        x = self._norm(x, self.encoder_attn_layer_norm, False)
+        x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training, residual_grad=residual)
+        x = self._block_output(x, self.encoder_attn_layer_norm)
         return self._ffn(x)

@@ -9,10 +9,12 @@ from ls_fairseq.ops.embedding import embedding, make_positions
 from ls_fairseq.ops.layer_norm import layer_norm
 from ls_fairseq.ops.linear import linear
 from ls_fairseq.ops.qkv import merge_heads, split_heads
+from ls_fairseq.ops.residual import ResidualGrad
 from ls_fairseq.ops.softmax import softmax
 
 __all__ = [
     "AttentionMask",
+    "ResidualGrad",
     "adam_step",
     "attention",
     "bias_act_dropout",

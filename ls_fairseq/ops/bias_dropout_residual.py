@@ -1,7 +1,8 @@
 """out = residual + dropout(x + bias): the tail of every attention and FFN block.
 
 One pass reads x, bias, residual and writes out and the keep-mask (1 byte per
-element); x + bias is never stored. Backward needs only the mask.
+element); x + bias is never stored. Backward needs only the mask; the residual's
+gradient goes back to autograd, or to the block's first op (ops.residual).
 """
 import torch
 
@@ -15,15 +16,16 @@ def bias_dropout_residual_forward_reference(x, bias, residual, p, mask):
     return y.to(x.dtype), mask
 
 
-def bias_dropout_residual_backward_reference(dout, mask, p, dbias_into=None):
-    # d residual = dout; d x = dout * mask / (1 - p); d bias = sum over tokens of d x
+def bias_dropout_residual_backward_reference(dout, mask, p, dbias_into=None, copy_dout=False):
+    # d residual = dout (copy_dout: a copy of its own, see ops.residual); d x = dout * mask / (1 - p);
+    # d bias = sum over tokens of d x
     dx = dispatch.apply_dropout(dispatch.upcast(dout), mask, p)
-    return dispatch.with_bias_gradient(dx, dout.dtype, dbias_into)
+    return dispatch.with_bias_gradient(dx, dout.dtype, dbias_into) + (dout.clone() if copy_dout else None,)
 
 
 class BiasDropoutResidualFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, bias, residual, p, mask):
+    def forward(ctx, x, bias, residual, p, mask, residual_grad):
         fwd, bwd = dispatch.implementation(
             "bias_dropout_residual",
             x,
@@ -31,7 +33,7 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
             bias_dropout_residual_backward_reference,
         )
         out, mask = fwd(x.contiguous(), bias, residual.contiguous(), p, mask)
-        ctx.bwd, ctx.p, ctx.bias = bwd, p, bias
+        ctx.bwd, ctx.p, ctx.bias, ctx.residual_grad = bwd, p, bias, residual_grad
         ctx.save_for_backward(mask)
         return out, mask
 
@@ -40,12 +42,18 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
         (mask,) = ctx.saved_tensors
         dout = dout.contiguous()
         into = dispatch.grad_in_place(ctx.bias)
-        dx, dbias = ctx.bwd(dout, mask, ctx.p, into)
-        return dx, dispatch.for_autograd(dbias, into), dout, None, None
+        handoff = ctx.residual_grad is not None and ctx.residual_grad.claimed is not None and ctx.needs_input_grad[2]
+        # a GEMM taking the residual's gradient accumulates into it: it gets a copy of its own
+        copy = handoff and ctx.residual_grad.claimed == "accumulate"
+        dx, dbias, dres = ctx.bwd(dout, mask, ctx.p, into, copy)
+        if handoff:
+            ctx.residual_grad.put(dres if copy else dout)
+        return dx, dispatch.for_autograd(dbias, into), None if handoff else dout, None, None, None
 
 
-def bias_dropout_residual(x, bias, residual, p=0.0, training=True, mask=None):
-    """residual + dropout(x + bias); ``mask`` (uint8 keep-mask) fixes the dropout."""
+def bias_dropout_residual(x, bias, residual, p=0.0, training=True, mask=None, residual_grad=None):
+    """residual + dropout(x + bias); ``mask`` (uint8 keep-mask) fixes the dropout; ``residual_grad``
+    (an ops.ResidualGrad): the residual's gradient goes there, for the block's first op."""
     if x.shape != residual.shape or x.shape[-1] != bias.numel():
         raise ValueError(
             "bias_dropout_residual: x {} and residual {} must match, bias {} must equal x's last dimension".format(
@@ -53,5 +61,5 @@ def bias_dropout_residual(x, bias, residual, p=0.0, training=True, mask=None):
             )
         )
     p = p if training else 0.0
-    out, _ = BiasDropoutResidualFunction.apply(x, bias, residual, p, mask if p > 0 else None)
+    out, _ = BiasDropoutResidualFunction.apply(x, bias, residual, p, mask if p > 0 else None, residual_grad)
     return out

@@ -44,13 +44,15 @@ def layer_norm_backward_reference(dy, x, weight, mean, rstd, dweight_into=None, 
 
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(ctx, x, weight, bias, eps, residual_grad):
         fwd, bwd = dispatch.implementation(
             "layer_norm", x, layer_norm_forward_reference, layer_norm_backward_reference
         )
         x = x.contiguous()
         y, mean, rstd = fwd(x, weight, bias, eps)
-        ctx.bwd, ctx.bias = bwd, bias
+        ctx.bwd, ctx.bias, ctx.residual_grad = bwd, bias, residual_grad
+        if residual_grad is not None:
+            residual_grad.claim("read")
         ctx.save_for_backward(x, weight, mean, rstd)
         return y
 
@@ -59,14 +61,19 @@ class LayerNormFunction(torch.autograd.Function):
         x, weight, mean, rstd = ctx.saved_tensors
         into = dispatch.grad_in_place(weight), dispatch.grad_in_place(ctx.bias)
         dx, dweight, dbias = ctx.bwd(dy.contiguous(), x, weight, mean, rstd, *into)
-        return dx, dispatch.for_autograd(dweight, into[0]), dispatch.for_autograd(dbias, into[1]), None
+        dres = ctx.residual_grad.take() if ctx.residual_grad is not None else None
+        if dres is not None:
+            dx = dx.add_(dres)  # dx is this backward's own new tensor
+        return dx, dispatch.for_autograd(dweight, into[0]), dispatch.for_autograd(dbias, into[1]), None, None
 
 
-def layer_norm(x, weight, bias, eps=1e-5):
+def layer_norm(x, weight, bias, eps=1e-5, residual_grad=None):
+    """LayerNorm of x's last dimension; ``residual_grad`` (an ops.ResidualGrad): x is also a residual
+    connection's input, whose gradient backward adds to x's."""
     if x.shape[-1] != weight.numel() or weight.shape != bias.shape:
         raise ValueError(
             "layer_norm: x's last dimension {} must equal weight {} and bias {}".format(
                 x.shape[-1], tuple(weight.shape), tuple(bias.shape)
             )
         )
-    return LayerNormFunction.apply(x, weight, bias, eps)
+    return LayerNormFunction.apply(x, weight, bias, eps, residual_grad)
