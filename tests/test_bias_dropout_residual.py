@@ -88,3 +88,18 @@ def test_kernel_dropout_rate_seed_and_given_mask(hidden):
     given, _ = ext.bias_dropout_residual_forward(x, b, r, 0.3, given_mask)
     wrong = (given == 0) != (given_mask == 0)
     assert not wrong.any(), "{} elements ignore the given mask, first at {}".format(int(wrong.sum()), wrong.nonzero()[:4].tolist())
+
+
+def test_the_keep_mask_gets_no_zero_gradient_made():
+    """The Function returns its keep-mask too; autograd must not fill a zero gradient for it (a
+    kernel per call on the GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, r = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    out = ops.bias_dropout_residual(x, b, r, 0.3, True)
+    up = torch.randn_like(out)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out.backward(up)
+    made = {e.key for e in prof.key_averages()} & {"aten::zeros_like", "aten::zero_", "aten::zeros"}
+    assert not made, made

@@ -69,10 +69,13 @@ class BiasActDropoutFunction(torch.autograd.Function):
         ctx.bwd, ctx.activation, ctx.p, ctx.bias = bwd, activation, p, bias
         ctx.from_output = activation == "relu"
         ctx.save_for_backward(*((out,) if ctx.from_output else (x, mask)))
+        dispatch.mask_output(ctx, mask)
         return out, mask
 
     @staticmethod
     def backward(ctx, dout, _dmask):
+        if dout is None:
+            return (None,) * 5
         into = dispatch.grad_in_place(ctx.bias)
         if ctx.from_output:  # relu'(x + bias) * keep = [out > 0]: the backward with x = out, bias = 0, no mask
             (out,) = ctx.saved_tensors

@@ -35,10 +35,13 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
         out, mask = fwd(x.contiguous(), bias, residual.contiguous(), p, mask)
         ctx.bwd, ctx.p, ctx.bias, ctx.residual_grad = bwd, p, bias, residual_grad
         ctx.save_for_backward(mask)
+        dispatch.mask_output(ctx, mask)
         return out, mask
 
     @staticmethod
     def backward(ctx, dout, _dmask):
+        if dout is None:
+            return (None,) * 6
         (mask,) = ctx.saved_tensors
         dout = dout.contiguous()
         into = dispatch.grad_in_place(ctx.bias)

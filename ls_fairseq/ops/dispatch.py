@@ -175,6 +175,15 @@ def dropout_mask(shape, p, device):
     return torch.empty(shape, dtype=torch.uint8, device=device).bernoulli_(1.0 - p)
 
 
+def mask_output(ctx, mask):
+    """For an autograd Function that also returns its dropout keep-mask (uint8, or None): the mask
+    gets no gradient, and autograd does not make a zero one for it (a fill kernel per call) nor for
+    an unused output: backward then receives None there."""
+    if mask is not None:
+        ctx.mark_non_differentiable(mask)
+    ctx.set_materialize_grads(False)
+
+
 def apply_dropout(x, mask, p):
     """x * mask / (1 - p) in x's dtype (fp32 math for half inputs is the caller's choice).
 

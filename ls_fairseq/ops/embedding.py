@@ -94,10 +94,13 @@ class EmbeddingFunction(torch.autograd.Function):
         ctx.bwd, ctx.weight, ctx.pos_weight = bwd, weight, pos_weight
         ctx.args = (scale, padding_idx, p, weight.shape[0], 0 if pos_weight is None else pos_weight.shape[0])
         ctx.save_for_backward(tokens, positions, mask)
+        dispatch.mask_output(ctx, mask)
         return out, mask
 
     @staticmethod
     def backward(ctx, dout, _dmask):
+        if dout is None:
+            return (None,) * 8
         tokens, positions, mask = ctx.saved_tensors
         into = dispatch.grad_in_place(ctx.weight)
         pos_into = None if ctx.pos_weight is None else dispatch.grad_in_place(ctx.pos_weight)

@@ -48,10 +48,13 @@ class SoftmaxFunction(torch.autograd.Function):
         out, probs, mask = fwd(scores.contiguous(), key_padding_mask, causal, p, mask)
         ctx.bwd, ctx.p = bwd, p
         ctx.save_for_backward(probs, mask)
+        dispatch.mask_output(ctx, mask)
         return out, mask
 
     @staticmethod
     def backward(ctx, dout, _dmask):
+        if dout is None:
+            return (None,) * 5
         probs, mask = ctx.saved_tensors
         return ctx.bwd(dout.contiguous(), probs, mask, ctx.p), None, None, None, None
 
