@@ -98,6 +98,16 @@ def benches(dtype):
                  lambda x, b, r, dy: r + F.dropout(x + b, P),
                  lambda x, b, r, dy: ops.bias_dropout_residual(x, b, r, P)))
 
+    # bias_dropout_residual_layer_norm: post-LN's block end
+    def bdrln_inputs():
+        return [rand(TOKENS, HIDDEN, dtype=dtype).requires_grad_(), rand(HIDDEN, dtype=dtype).requires_grad_(),
+                rand(TOKENS, HIDDEN, dtype=dtype).requires_grad_(), rand(HIDDEN, dtype=dtype).requires_grad_(),
+                rand(HIDDEN, dtype=dtype).requires_grad_(), rand(TOKENS, HIDDEN, dtype=dtype)]
+
+    rows.append(("bias_dropout_residual_layer_norm", bdrln_inputs, n * (4 * s + 1), n * (4 * s + 1),
+                 lambda x, b, r, w, lb, dy: F.layer_norm(r + F.dropout(x + b, P), (HIDDEN,), w, lb, 1e-5),
+                 lambda x, b, r, w, lb, dy: ops.bias_dropout_residual_layer_norm(x, b, r, w, lb, P)))
+
     # bias_act_dropout (relu, FFN width)
     m = TOKENS * FFN
 

@@ -202,6 +202,46 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> bias_dropout_residual_backward
   return {dx, dbias, dres};
 }
 
+// ---- bias_dropout_residual_layer_norm ----
+std::tuple<Tensor, Tensor, Tensor, Tensor, std::optional<Tensor>> bias_dropout_residual_layer_norm_forward(
+    const Tensor& h, const Tensor& bias, const Tensor& residual, const Tensor& weight, const Tensor& ln_bias,
+    double eps, double p, const std::optional<Tensor>& given) {
+  check(h, "h");
+  const int hidden = hidden_of(h, "h");
+  for (auto [t, name] : {std::pair{&bias, "bias"}, {&weight, "weight"}, {&ln_bias, "ln_bias"}}) {
+    check_like(*t, h, name, "h");
+    check_shape(*t, {hidden}, name);
+  }
+  check_like(residual, h, "residual", "h");
+  check_shape(residual, h.sizes(), "residual");
+  check_probability(p, "bias_dropout_residual_layer_norm");
+  check_mask(given, h, "mask");
+  const c10::cuda::CUDAGuard guard(h.device());
+  const int64_t rows = h.numel() / hidden;
+  auto x = torch::empty_like(h);
+  auto y = torch::empty_like(h);
+  auto mean = torch::empty({rows}, h.options().dtype(at::kFloat));
+  auto rstd = torch::empty({rows}, h.options().dtype(at::kFloat));
+  auto [mask, rng] = dropout_mask(given, p, h);
+  ls::bias_dropout_residual_layer_norm_forward(dtype_of(h, "h"), h.data_ptr(), bias.data_ptr(), residual.data_ptr(),
+                                               weight.data_ptr(), ln_bias.data_ptr(), x.data_ptr(), y.data_ptr(),
+                                               written_mask(given, mask), mean.data_ptr<float>(),
+                                               rstd.data_ptr<float>(), rows, hidden, float(eps), float(p), rng,
+                                               stream());
+  CHECK_CUDA_OK();
+  return {y, x, mean, rstd, mask};
+}
+
+// LayerNorm's backward (dx: the residual's gradient), then bias_dropout_residual's (dh, dbias)
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_residual_layer_norm_backward(
+    const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
+    const std::optional<Tensor>& mask, double p, const std::optional<Tensor>& dweight_into,
+    const std::optional<Tensor>& dln_bias_into, const std::optional<Tensor>& dbias_into) {
+  auto [dx, dweight, dln_bias] = layer_norm_backward(dy, x, weight, mean, rstd, dweight_into, dln_bias_into);
+  auto [dh, dbias, unused] = bias_dropout_residual_backward(dx, mask, p, dbias_into, false);
+  return {dh, dbias, dx, dweight, dln_bias};
+}
+
 // ---- bias_act_dropout ----
 int activation_id(const std::string& activation) {
   TORCH_CHECK(activation == "relu" || activation == "gelu", "bias_act_dropout: activation '", activation,
@@ -568,6 +608,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ls_fairseq fused CUDA kernels (see ls_fairseq/ops for each op's contract)";
   m.def("layer_norm_forward", &layer_norm_forward);
   m.def("layer_norm_backward", &layer_norm_backward);
+  m.def("bias_dropout_residual_layer_norm_forward", &bias_dropout_residual_layer_norm_forward);
+  m.def("bias_dropout_residual_layer_norm_backward", &bias_dropout_residual_layer_norm_backward);
   m.def("bias_dropout_residual_forward", &bias_dropout_residual_forward);
   m.def("bias_dropout_residual_backward", &bias_dropout_residual_backward);
   m.def("bias_act_dropout_forward", &bias_act_dropout_forward);

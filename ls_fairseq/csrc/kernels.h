@@ -41,6 +41,12 @@ void layer_norm_forward(DType dt, const void* x, const void* gamma, const void* 
 void layer_norm_backward(DType dt, const void* dy, const void* x, const void* gamma, const float* mean,
                          const float* rstd, void* dx, GradOut dgamma, GradOut dbeta, float* partial, int64_t rows,
                          int hidden, cudaStream_t stream);
+// x = residual + dropout(h + bias) (written, with the keep-mask unless rng gives one), then
+// y = LayerNorm(x): bias_dropout_residual then layer_norm in one pass, the same bits
+void bias_dropout_residual_layer_norm_forward(DType dt, const void* h, const void* bias, const void* residual,
+                                              const void* gamma, const void* beta, void* x, void* y, uint8_t* mask,
+                                              float* mean, float* rstd, int64_t rows, int hidden, float eps, float p,
+                                              RngState rng, cudaStream_t stream);
 
 // bias_dropout_residual.cu
 void bias_dropout_residual_forward(DType dt, const void* x, const void* bias, const void* residual, void* out,

@@ -11,11 +11,17 @@
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))  (the two means in one reduction)
 //   dgamma = sum over rows of dy * xhat, dbeta = sum over rows of dy
 //   (two-stage, deterministic column reduction: chunks of rows, then the chunks).
+// bias_dropout_residual_layer_norm (post-LN's block end): the same forward with the
+// row's values made in the kernel, x = residual + dropout(h + bias) (LightSeq2's
+// bias+dropout+residual fusion, here also fused with the LayerNorm after it): x is
+// written once (backward needs it) and never read back; its backward is LayerNorm's
+// then bias_dropout_residual's.
 // For rows of 1 to 4 x 32 vectors of 16 bytes (hidden 256 .. 1024 in fp16/bf16) one
 // kernel does dx and the chunks' column sums from one read of dy and x, a warp per
 // row with the next row's loads in flight during this row's reduction; other rows
 // take a dx kernel and a column-sum kernel, which read dy and x once each.
 #include "common.cuh"
+#include "dropout_map.cuh"
 #include "reduce.cuh"
 
 namespace ls {
@@ -31,24 +37,81 @@ __device__ __forceinline__ void row_sum2(float& a, float& b) {
   }
 }
 
+// The values a LayerNorm normalises. XRows: x itself. BdrRows: x = residual +
+// dropout(h + bias), the post-LN block's end (bias_dropout_residual_layer_norm), computed
+// in the order bias_dropout_residual's kernel uses and rounded to T as it stores them, so
+// both paths give the same bits; x and the keep-mask are written for backward, x + bias
+// and the dropped values never.
+template <typename T>
+struct XRows {
+  const T* x;
+  template <int V>
+  __device__ void load(int64_t e, int, float (&v)[V]) const {
+    ls::load<T, V>(x + e, v);
+  }
+  __device__ float at(int64_t e) const { return to_f(x[e]); }
+  __device__ const T* stored() const { return x; }
+};
+
+template <typename T>
+struct BdrRows {
+  const T* h;
+  const T* bias;
+  const T* residual;
+  T* x;
+  uint8_t* mask;  // nullptr: not written (no dropout, or a given mask)
+  float p;
+  RngState rng;
+  template <int V>
+  __device__ void values(int64_t e, int c, float (&v)[V], bool (&keep)[V]) const {
+    float rv[V];
+    load_biased<T, V>(h + e, bias + c, v);
+    ls::load<T, V>(residual + e, rv);
+    if (p > 0.f) {
+      keep_run<V>(rng, e, p, keep);
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) keep[i] = true;
+    }
+    const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+#pragma unroll
+    for (int i = 0; i < V; ++i) v[i] = to_f(from_f<T>((keep[i] ? v[i] * scale : 0.f) + rv[i]));
+  }
+  template <int V>
+  __device__ void load(int64_t e, int c, float (&v)[V]) const {
+    bool keep[V];
+    values<V>(e, c, v, keep);
+    store<T, V>(x + e, v);
+    if (mask) store_mask<V>(mask + e, keep);
+  }
+  // the value at a row's start (the statistics' shift), before any thread has stored it
+  __device__ float at(int64_t e) const {
+    float v[1];
+    bool keep[1];
+    values<1>(e, 0, v, keep);
+    return v[0];
+  }
+  __device__ const T* stored() const { return x; }
+};
+
 // A row is handled by a warp (WARP: ITEMS vectors per lane, in registers) or by a
 // block (ITEMS = 1, looping over the row twice).
-template <typename T, int V, int ITEMS, bool WARP>
-__global__ void ln_forward_kernel(const T* __restrict__ x, const T* __restrict__ gamma, const T* __restrict__ beta,
+template <typename T, int V, int ITEMS, bool WARP, typename Rows>
+__global__ void ln_forward_kernel(Rows in, const T* __restrict__ gamma, const T* __restrict__ beta,
                                   T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
                                   int64_t rows, int hidden, float eps) {
   const int lane = WARP ? threadIdx.x & 31 : threadIdx.x, width = WARP ? 32 : blockDim.x;
   const int64_t row = WARP ? int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32 : blockIdx.x;
   if (row >= rows) return;
-  const T* xr = x + row * hidden;
-  const float shift = to_f(xr[0]);
+  const int64_t r0 = row * hidden;
+  const float shift = in.at(r0);
   float v[ITEMS][V], s1 = 0.f, s2 = 0.f;
   for (int c0 = 0; c0 < hidden; c0 += width * V * ITEMS) {
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it) {
       const int c = c0 + (it * width + lane) * V;
       if (c < hidden) {
-        load<T, V>(xr + c, v[it]);
+        in.template load<V>(r0 + c, c, v[it]);
 #pragma unroll
         for (int i = 0; i < V; ++i) {
           const float d = v[it][i] - shift;
@@ -71,7 +134,7 @@ __global__ void ln_forward_kernel(const T* __restrict__ x, const T* __restrict__
       const int c = c0 + (it * width + lane) * V;
       if (c < hidden) {
         float g[V], b[V];
-        if (!WARP) load<T, V>(xr + c, v[it]);
+        if (!WARP) load<T, V>(in.stored() + r0 + c, v[it]);  // this thread's own stores of the first loop
         load<T, V>(gamma + c, g);
         load<T, V>(beta + c, b);
 #pragma unroll
@@ -259,18 +322,36 @@ void by_row_length(int hidden, int64_t rows, Launch&& launch) {
   else launch.template operator()<V, 1, false>(int(rows), 1024);
 }
 
+// vec: the rows' pointers allow 16-byte accesses (gamma, beta and y are checked here)
+template <typename T, typename Rows>
+void ln_forward_rows(Rows in, bool vec, const T* gamma, const T* beta, T* y, float* mean, float* rstd, int64_t rows,
+                     int hidden, float eps, cudaStream_t stream) {
+  if (rows == 0) return;
+  auto launch = [&]<int V, int ITEMS, bool WARP>(int grid, int block) {
+    ln_forward_kernel<T, V, ITEMS, WARP><<<grid, block, 0, stream>>>(in, gamma, beta, y, mean, rstd, rows, hidden, eps);
+  };
+  if (vec && hidden % kVec<T> == 0 && aligned16(gamma) && aligned16(beta) && aligned16(y))
+    by_row_length<T, kVec<T>>(hidden, rows, launch);
+  else
+    by_row_length<T, 1>(hidden, rows, launch);
+}
+
 void layer_norm_forward(DType dt, const void* x, const void* gamma, const void* beta, void* y, float* mean, float* rstd,
                         int64_t rows, int hidden, float eps, cudaStream_t stream) {
-  if (rows == 0) return;
   LS_DISPATCH(dt, {
-    auto launch = [&]<int V, int ITEMS, bool WARP>(int grid, int block) {
-      ln_forward_kernel<T, V, ITEMS, WARP><<<grid, block, 0, stream>>>(
-          (const T*)x, (const T*)gamma, (const T*)beta, (T*)y, mean, rstd, rows, hidden, eps);
-    };
-    if (hidden % kVec<T> == 0 && aligned16(x) && aligned16(gamma) && aligned16(beta) && aligned16(y))
-      by_row_length<T, kVec<T>>(hidden, rows, launch);
-    else
-      by_row_length<T, 1>(hidden, rows, launch);
+    ln_forward_rows<T>(XRows<T>{(const T*)x}, aligned16(x), (const T*)gamma, (const T*)beta, (T*)y, mean, rstd, rows,
+                       hidden, eps, stream);
+  })
+}
+
+void bias_dropout_residual_layer_norm_forward(DType dt, const void* h, const void* bias, const void* residual,
+                                              const void* gamma, const void* beta, void* x, void* y, uint8_t* mask,
+                                              float* mean, float* rstd, int64_t rows, int hidden, float eps, float p,
+                                              RngState rng, cudaStream_t stream) {
+  LS_DISPATCH(dt, {
+    const BdrRows<T> in{(const T*)h, (const T*)bias, (const T*)residual, (T*)x, mask, p, rng};
+    const bool vec = aligned16(h) && aligned16(bias) && aligned16(residual) && aligned16(x);
+    ln_forward_rows<T>(in, vec, (const T*)gamma, (const T*)beta, (T*)y, mean, rstd, rows, hidden, eps, stream);
   })
 }
 

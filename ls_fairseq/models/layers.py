@@ -6,9 +6,9 @@ other operation through one fused op. Activations are batch-major [B, T, d].
 
   self-attention:  LN? -> GEMM(qkv) -> split_heads(+bias, q scaled; token-major, so that
                    attention's output merges its heads as a view) -> attention
-                   -> GEMM(out, heads merged inside) -> bias_dropout_residual -> LN?
+                   -> GEMM(out, heads merged inside) -> bias_dropout_residual (-> LN: one op)
   FFN:             LN? -> GEMM(fc1) -> bias_act_dropout -> GEMM(fc2)
-                   -> bias_dropout_residual -> LN?
+                   -> bias_dropout_residual (-> LN: one op)
 
 In backward the residual's gradient is not added by autograd: bias_dropout_residual hands it
 to the block's first op on x (the pre-LN LayerNorm, else the first GEMM, which accumulates
@@ -73,9 +73,12 @@ class _Layer(nn.Module):
         self.fc2 = nn.Linear(ffn_dim, embed_dim)
         self.final_layer_norm = nn.LayerNorm(embed_dim)
 
-    def _block_output(self, x, ln):
-        """The block's output: LN(x) post-LN, x pre-LN."""
-        return x if self.normalize_before else ops.layer_norm(x, ln.weight, ln.bias)
+    def _block_output(self, out, bias, x, ln, residual):
+        """The block's end: x + dropout(out + bias), then LN post-LN (one op)."""
+        if self.normalize_before:
+            return ops.bias_dropout_residual(out, bias, x, self.dropout, self.training, residual_grad=residual)
+        return ops.bias_dropout_residual_layer_norm(out, bias, x, ln.weight, ln.bias, self.dropout, self.training,
+                                                    residual_grad=residual)
 
     def _block_input(self, x, ln):
         """(h, residual, gemm_residual) for a block on x: h its branch's input (x, or LN(x) pre-LN);
@@ -98,8 +101,7 @@ class _Layer(nn.Module):
             cache["k"], cache["v"] = k, v
         ctx = ops.attention(q, k, v, mask, self.attention_dropout, self.training, self.deterministic)
         out = ops.linear(ctx, attn.out_proj.weight, heads=True)
-        x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training, residual_grad=residual)
-        return self._block_output(x, self.self_attn_layer_norm)
+        return self._block_output(out, attn.out_proj.bias, x, self.self_attn_layer_norm, residual)
 
     def _ffn(self, x):
         h, residual, gemm_residual = self._block_input(x, self.final_layer_norm)
@@ -107,9 +109,7 @@ class _Layer(nn.Module):
             ops.linear(h, self.fc1.weight, residual_grad=gemm_residual), self.fc1.bias, self.activation_fn,
             self.activation_dropout, self.training
         )
-        x = ops.bias_dropout_residual(ops.linear(h, self.fc2.weight), self.fc2.bias, x, self.dropout, self.training,
-                                      residual_grad=residual)
-        return self._block_output(x, self.final_layer_norm)
+        return self._block_output(ops.linear(h, self.fc2.weight), self.fc2.bias, x, self.final_layer_norm, residual)
 
 
 class EncoderLayer(_Layer):
@@ -150,6 +150,5 @@ class DecoderLayer(_Layer):
         ctx = ops.attention(q, enc_k, enc_v, enc_mask, self.attention_dropout, self.training, self.deterministic,
                             fused_softmax=True)
         out = ops.linear(ctx, attn.out_proj.weight, heads=True)
-        x = ops.bias_dropout_residual(out, attn.out_proj.bias, x, self.dropout, self.training, residual_grad=residual)
-        x = self._block_output(x, self.encoder_attn_layer_norm)
+        x = self._block_output(out, attn.out_proj.bias, x, self.encoder_attn_layer_norm, residual)
         return self._ffn(x)

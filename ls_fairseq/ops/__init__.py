@@ -4,6 +4,7 @@ from ls_fairseq.ops.adam import adam_step, grad_norm, new_scaler_state, scaled_g
 from ls_fairseq.ops.attention import AttentionMask, attention
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout
 from ls_fairseq.ops.bias_dropout_residual import bias_dropout_residual
+from ls_fairseq.ops.bias_dropout_residual_layer_norm import bias_dropout_residual_layer_norm
 from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy
 from ls_fairseq.ops.embedding import embedding, make_positions
 from ls_fairseq.ops.layer_norm import layer_norm
@@ -19,6 +20,7 @@ __all__ = [
     "attention",
     "bias_act_dropout",
     "bias_dropout_residual",
+    "bias_dropout_residual_layer_norm",
     "embedding",
     "grad_norm",
     "label_smoothed_cross_entropy",

@@ -22,6 +22,7 @@ OPS = (
     "softmax",
     "attention",
     "bias_dropout_residual",
+    "bias_dropout_residual_layer_norm",
     "bias_act_dropout",
     "layer_norm",
     "cross_entropy",

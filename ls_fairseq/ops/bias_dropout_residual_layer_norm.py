@@ -1,0 +1,81 @@
+"""y = LayerNorm(residual + dropout(h + bias)): a post-LN block's end in one op.
+
+bias_dropout_residual then layer_norm, with one kernel for both forwards (the
+LayerNorm kernel makes each row's values itself: x = residual + dropout(h +
+bias) is written once, for backward, and never read back) and one autograd node
+for both backwards (LayerNorm's, whose dx is also the residual's gradient, then
+bias_dropout_residual's). The same bits as the two ops in a row.
+"""
+import torch
+
+from ls_fairseq.ops import dispatch
+from ls_fairseq.ops.bias_dropout_residual import (
+    bias_dropout_residual_backward_reference, bias_dropout_residual_forward_reference,
+)
+from ls_fairseq.ops.layer_norm import layer_norm_backward_reference, layer_norm_forward_reference
+
+
+def bias_dropout_residual_layer_norm_forward_reference(h, bias, residual, weight, ln_bias, eps, p, mask):
+    x, mask = bias_dropout_residual_forward_reference(h, bias, residual, p, mask)
+    y, mean, rstd = layer_norm_forward_reference(x, weight, ln_bias, eps)
+    return y, x, mean, rstd, mask
+
+
+def bias_dropout_residual_layer_norm_backward_reference(dy, x, weight, mean, rstd, mask, p, dweight_into=None,
+                                                        dln_bias_into=None, dbias_into=None):
+    # dx (the residual's gradient) from LayerNorm's backward; dh = dx * mask / (1 - p), dbias its column sum
+    dx, dweight, dln_bias = layer_norm_backward_reference(dy, x, weight, mean, rstd, dweight_into, dln_bias_into)
+    dh, dbias, _ = bias_dropout_residual_backward_reference(dx, mask, p, dbias_into)
+    return dh, dbias, dx, dweight, dln_bias
+
+
+class BiasDropoutResidualLayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, bias, residual, weight, ln_bias, eps, p, mask, residual_grad):
+        fwd, bwd = dispatch.implementation(
+            "bias_dropout_residual_layer_norm", h, bias_dropout_residual_layer_norm_forward_reference,
+            bias_dropout_residual_layer_norm_backward_reference,
+        )
+        y, x, mean, rstd, mask = fwd(h.contiguous(), bias, residual.contiguous(), weight, ln_bias, eps, p, mask)
+        ctx.bwd, ctx.p, ctx.params, ctx.residual_grad = bwd, p, (bias, weight, ln_bias), residual_grad
+        ctx.save_for_backward(x, weight, mean, rstd, mask)
+        dispatch.mask_output(ctx, mask)
+        return y, mask
+
+    @staticmethod
+    def backward(ctx, dy, _dmask):
+        if dy is None:
+            return (None,) * 9
+        x, weight, mean, rstd, mask = ctx.saved_tensors
+        bias, _, ln_bias = ctx.params
+        into = [dispatch.grad_in_place(t) for t in ctx.params]
+        dh, dbias, dx, dweight, dln_bias = ctx.bwd(dy.contiguous(), x, weight, mean, rstd, mask, ctx.p, into[1], into[2],
+                                                    into[0])
+        dresidual = dx
+        # the residual's gradient is LayerNorm's new dx, which nothing else holds: the block's first
+        # op may take it as it is, even to accumulate into (ops.residual); not when dh is dx itself
+        # (the reference without dropout), which the branch's backward still reads
+        if (ctx.residual_grad is not None and ctx.residual_grad.claimed is not None and ctx.needs_input_grad[2]
+                and dh.data_ptr() != dx.data_ptr()):
+            ctx.residual_grad.put(dx)
+            dresidual = None
+        return (dh, dispatch.for_autograd(dbias, into[0]), dresidual, dispatch.for_autograd(dweight, into[1]),
+                dispatch.for_autograd(dln_bias, into[2]), None, None, None, None)
+
+
+def bias_dropout_residual_layer_norm(h, bias, residual, weight, ln_bias, p=0.0, training=True, eps=1e-5, mask=None,
+                                     residual_grad=None):
+    """LayerNorm(residual + dropout(h + bias)) over the last dimension (weight, ln_bias: the
+    LayerNorm's); ``mask`` (uint8 keep-mask) fixes the dropout; ``residual_grad`` (an
+    ops.ResidualGrad): the residual's gradient goes there, for the block's first op."""
+    hidden = h.shape[-1]
+    if h.shape != residual.shape or any(t.numel() != hidden for t in (bias, weight, ln_bias)):
+        raise ValueError(
+            "bias_dropout_residual_layer_norm: h {} and residual {} must match; bias {}, weight {} and ln_bias {} "
+            "must equal h's last dimension".format(tuple(h.shape), tuple(residual.shape), tuple(bias.shape),
+                                                   tuple(weight.shape), tuple(ln_bias.shape))
+        )
+    p = p if training else 0.0
+    y, _ = BiasDropoutResidualLayerNormFunction.apply(h, bias, residual, weight, ln_bias, eps, p,
+                                                      mask if p > 0 else None, residual_grad)
+    return y
