@@ -1,5 +1,5 @@
-"""ops.ResidualGrad: a residual connection's gradient handed from bias_dropout_residual's backward
-to the block's first op, which adds it into x's gradient (the GEMM by accumulating into it)."""
+"""ops.ResidualGrad: a residual connection's gradient handed from a block's end to the block's
+first op, which adds it into x's gradient (the GEMM by accumulating into it)."""
 import pytest
 import torch
 from helpers import assert_close
@@ -7,18 +7,18 @@ from torch.profiler import ProfilerActivity, profile
 
 from ls_fairseq import ops
 
-
 MASK = torch.rand(2, 5, 8, generator=torch.Generator().manual_seed(1)).gt(0.1).to(torch.uint8)
 
 
-def block(x, w, b, ln_w, ln_b, first, residual):
-    """out = x + dropout(branch(x)) (a fixed mask): branch = GEMM (post-LN style) or LayerNorm then GEMM
-    (pre-LN style)."""
+def block(x, w, b, ln_w, ln_b, first, residual, p=0.1):
+    """x + dropout(branch(x)) with a fixed mask: post-LN (branch = GEMM, LayerNorm after, one op at
+    the end) or pre-LN (branch = LayerNorm then GEMM)."""
+    mask = MASK if p else None
     if first == "layer_norm":
         h = ops.linear(ops.layer_norm(x, ln_w, ln_b, residual_grad=residual), w)
-    else:
-        h = ops.linear(x, w, residual_grad=residual)
-    return ops.bias_dropout_residual(h, b, x, 0.1, True, mask=MASK, residual_grad=residual)
+        return ops.bias_dropout_residual(h, b, x, p, True, mask=mask, residual_grad=residual)
+    h = ops.linear(x, w, residual_grad=residual)
+    return ops.bias_dropout_residual_layer_norm(h, b, x, ln_w, ln_b, p, True, mask=mask, residual_grad=residual)
 
 
 def leaves(frozen=False):
@@ -31,41 +31,46 @@ def leaves(frozen=False):
 
 @pytest.mark.parametrize("first", ["linear", "layer_norm"])
 @pytest.mark.parametrize("frozen", [False, True])  # a frozen weight: a plain GEMM, the residual back to autograd
-def test_gradients_equal_autograds_sum(first, frozen):
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_gradients_equal_autograds_sum(first, frozen, p):
     a, b = leaves(frozen), leaves(frozen)
     up = torch.randn(2, 5, 8, dtype=torch.float64)
     kept = up.clone()
     residual = ops.ResidualGrad()
-    block(*a, first, residual).backward(up)
+    block(*a, first, residual, p).backward(up)
     assert torch.equal(up, kept), "the caller's gradient was modified"
-    block(*b, first, None).backward(up)
-    for p, q in zip(a, b):
-        assert (p.grad is None) == (q.grad is None)
-        if p.grad is not None:
-            assert_close(p.grad, q.grad)
+    block(*b, first, None, p).backward(up)
+    for t, u in zip(a, b):
+        assert (t.grad is None) == (u.grad is None)
+        if t.grad is not None:
+            assert_close(t.grad, u.grad)
     assert residual.grad is None
     assert residual.claimed == {"layer_norm": "read", "linear": None if frozen else "accumulate"}[first]
 
 
-def test_the_gemm_accumulates_the_residual_and_autograd_adds_nothing():
+@pytest.mark.parametrize("first", ["linear", "layer_norm"])
+def test_the_first_op_adds_the_residual_and_autograd_does_not(first):
+    """Post-LN: the GEMM accumulates (one add fewer); pre-LN: LayerNorm's add replaces autograd's."""
     def adds(residual):
         x, w, b, ln_w, ln_b = leaves()
-        out = block(x, w, b, ln_w, ln_b, "linear", residual)
+        out = block(x, w, b, ln_w, ln_b, first, residual)
+        up = torch.ones_like(out)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            out.backward(torch.ones_like(out))
+            out.backward(up)
         return sum(e.count for e in prof.key_averages() if e.key in ("aten::add", "aten::add_"))
 
-    assert adds(ops.ResidualGrad()) == adds(None) - 1
+    assert adds(ops.ResidualGrad()) == adds(None) - (1 if first == "linear" else 0)
 
 
-def test_without_dropout_the_gemm_does_not_add_into_what_it_reads():
-    """Without dropout the reference's branch gradient is d_out itself: the GEMM accumulates into a
-    copy of d_out, not into the gradient it multiplies."""
+def test_a_gemm_claim_at_a_bias_dropout_residual_end_is_left_to_autograd():
+    """The GEMM would accumulate into autograd's d_out: bias_dropout_residual keeps it."""
     x, w, b, _, _ = leaves()
     residual = ops.ResidualGrad()
     out = ops.bias_dropout_residual(ops.linear(x, w, residual_grad=residual), b, x, 0.0, True, residual_grad=residual)
-    out.backward(torch.ones_like(out))
+    up = torch.ones_like(out)
+    out.backward(up)
     assert_close(x.grad, torch.ones_like(x) + torch.ones_like(x) @ w)
+    assert torch.equal(up, torch.ones_like(out))
 
 
 def test_a_residual_gradient_does_not_go_with_heads():

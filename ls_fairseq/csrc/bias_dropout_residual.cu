@@ -3,11 +3,8 @@
 // Fuses: bias add, dropout (mask drawn in-kernel from Philox), residual add.
 // Never written to memory: x + bias, the dropped value. The keep-mask is stored
 // as one byte per element for backward (LightSeq2: bias+dropout+residual fusion).
-// Backward: dx = dout * mask / (1 - p), dbias = column sum of dx, fused into the
-// same pass; dresidual = dout, returned as is by the autograd Function, or written
-// out as a copy of its own (dres) that the block's first GEMM accumulates its input
-// gradient into (ops.residual): one more write here instead of autograd's add kernel
-// (two reads and a write) later.
+// Backward: dx = dout * mask / (1 - p), dresidual = dout (returned as is by the
+// autograd Function), dbias = column sum of dx, fused into the same pass.
 #include "common.cuh"
 #include "dropout_map.cuh"
 #include "reduce.cuh"
@@ -39,7 +36,6 @@ struct BdrBackwardMap {
   const T* dout;
   const uint8_t* mask;
   T* dx;
-  T* dres;  // nullptr: no copy of dout
   int hidden;
   float scale;
   template <int N>
@@ -47,7 +43,6 @@ struct BdrBackwardMap {
     const int64_t e = r * hidden + c;
     bool keep[N];
     load<T, N>(dout + e, v[0]);
-    if (dres) store<T, N>(dres + e, v[0]);
     if (mask) load_mask<N>(mask + e, keep);
 #pragma unroll
     for (int i = 0; i < N; ++i) v[0][i] = (!mask || keep[i]) ? v[0][i] * scale : 0.f;
@@ -65,13 +60,11 @@ void bias_dropout_residual_forward(DType dt, const void* x, const void* bias, co
   })
 }
 
-void bias_dropout_residual_backward(DType dt, const void* dout, const uint8_t* mask, void* dx, void* dres,
-                                    GradOut dbias, float* partial, int64_t rows, int hidden, float p,
-                                    cudaStream_t stream) {
+void bias_dropout_residual_backward(DType dt, const void* dout, const uint8_t* mask, void* dx, GradOut dbias,
+                                    float* partial, int64_t rows, int hidden, float p, cudaStream_t stream) {
   LS_DISPATCH(dt, {
-    BdrBackwardMap<T> f{(const T*)dout, mask, (T*)dx, (T*)dres, hidden, p > 0.f ? 1.f / (1.f - p) : 1.f};
-    const bool vec = aligned16(dout) && aligned16(dx) && (!dres || aligned16(dres));
-    map_column_sum<T, 1>(f, vec, GradOuts<1>{{dbias}}, partial, rows, hidden, stream);
+    BdrBackwardMap<T> f{(const T*)dout, mask, (T*)dx, hidden, p > 0.f ? 1.f / (1.f - p) : 1.f};
+    map_column_sum<T, 1>(f, aligned16(dout) && aligned16(dx), GradOuts<1>{{dbias}}, partial, rows, hidden, stream);
   })
 }
 

@@ -181,25 +181,20 @@ std::tuple<Tensor, std::optional<Tensor>> bias_dropout_residual_forward(const Te
   return {out, mask};
 }
 
-// copy_dout: also return a copy of dout of its own (the residual's gradient, for a GEMM to accumulate into)
-std::tuple<Tensor, Tensor, std::optional<Tensor>> bias_dropout_residual_backward(
-    const Tensor& dout, const std::optional<Tensor>& mask, double p, const std::optional<Tensor>& dbias_into,
-    bool copy_dout) {
+std::tuple<Tensor, Tensor> bias_dropout_residual_backward(const Tensor& dout, const std::optional<Tensor>& mask,
+                                                          double p, const std::optional<Tensor>& dbias_into) {
   check(dout, "dout");
   const int hidden = hidden_of(dout, "dout");
   check_mask(mask, dout, "mask");
   const c10::cuda::CUDAGuard guard(dout.device());
   const int64_t rows = dout.numel() / hidden;
   auto dx = torch::empty_like(dout);
-  std::optional<Tensor> dres;
-  if (copy_dout) dres = torch::empty_like(dout);
   auto [dbias, dbias_out] = grad_out(dbias_into, dout, {hidden}, "dbias_into");
   auto partial = torch::empty({ls::column_chunks(rows) * int64_t(hidden)}, dout.options().dtype(at::kFloat));
-  ls::bias_dropout_residual_backward(dtype_of(dout, "dout"), dout.data_ptr(), mask_ptr(mask), dx.data_ptr(),
-                                     dres ? dres->data_ptr() : nullptr, dbias_out, partial.data_ptr<float>(), rows,
-                                     hidden, float(p), stream());
+  ls::bias_dropout_residual_backward(dtype_of(dout, "dout"), dout.data_ptr(), mask_ptr(mask), dx.data_ptr(), dbias_out,
+                                     partial.data_ptr<float>(), rows, hidden, float(p), stream());
   CHECK_CUDA_OK();
-  return {dx, dbias, dres};
+  return {dx, dbias};
 }
 
 // ---- bias_dropout_residual_layer_norm ----
@@ -238,7 +233,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_residual_layer_n
     const std::optional<Tensor>& mask, double p, const std::optional<Tensor>& dweight_into,
     const std::optional<Tensor>& dln_bias_into, const std::optional<Tensor>& dbias_into) {
   auto [dx, dweight, dln_bias] = layer_norm_backward(dy, x, weight, mean, rstd, dweight_into, dln_bias_into);
-  auto [dh, dbias, unused] = bias_dropout_residual_backward(dx, mask, p, dbias_into, false);
+  auto [dh, dbias] = bias_dropout_residual_backward(dx, mask, p, dbias_into);
   return {dh, dbias, dx, dweight, dln_bias};
 }
 

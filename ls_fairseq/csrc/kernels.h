@@ -52,10 +52,8 @@ void bias_dropout_residual_layer_norm_forward(DType dt, const void* h, const voi
 void bias_dropout_residual_forward(DType dt, const void* x, const void* bias, const void* residual, void* out,
                                    uint8_t* mask, int64_t rows, int hidden, float p, RngState rng,
                                    cudaStream_t stream);
-// dres: nullptr, or where a copy of dout goes (the residual's gradient, for a GEMM to accumulate into)
-void bias_dropout_residual_backward(DType dt, const void* dout, const uint8_t* mask, void* dx, void* dres,
-                                    GradOut dbias, float* partial, int64_t rows, int hidden, float p,
-                                    cudaStream_t stream);
+void bias_dropout_residual_backward(DType dt, const void* dout, const uint8_t* mask, void* dx, GradOut dbias,
+                                    float* partial, int64_t rows, int hidden, float p, cudaStream_t stream);
 
 // bias_act_dropout.cu; activation 0 = relu, 1 = gelu; backward's bias may be nullptr (zero)
 void bias_act_dropout_forward(DType dt, const void* x, const void* bias, void* out, uint8_t* mask, int64_t rows,

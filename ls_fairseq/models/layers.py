@@ -10,9 +10,9 @@ other operation through one fused op. Activations are batch-major [B, T, d].
   FFN:             LN? -> GEMM(fc1) -> bias_act_dropout -> GEMM(fc2)
                    -> bias_dropout_residual (-> LN: one op)
 
-In backward the residual's gradient is not added by autograd: bias_dropout_residual hands it
-to the block's first op on x (the pre-LN LayerNorm, else the first GEMM, which accumulates
-into it), see ops.residual.
+In backward the residual's gradient is not added by autograd: the block's end hands it to
+the block's first op on x (post-LN: the first GEMM, which accumulates into it; pre-LN: the
+LayerNorm), see ops.residual.
 """
 import math
 

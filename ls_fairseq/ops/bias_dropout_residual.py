@@ -16,11 +16,10 @@ def bias_dropout_residual_forward_reference(x, bias, residual, p, mask):
     return y.to(x.dtype), mask
 
 
-def bias_dropout_residual_backward_reference(dout, mask, p, dbias_into=None, copy_dout=False):
-    # d residual = dout (copy_dout: a copy of its own, see ops.residual); d x = dout * mask / (1 - p);
-    # d bias = sum over tokens of d x
+def bias_dropout_residual_backward_reference(dout, mask, p, dbias_into=None):
+    # d residual = dout; d x = dout * mask / (1 - p); d bias = sum over tokens of d x
     dx = dispatch.apply_dropout(dispatch.upcast(dout), mask, p)
-    return dispatch.with_bias_gradient(dx, dout.dtype, dbias_into) + (dout.clone() if copy_dout else None,)
+    return dispatch.with_bias_gradient(dx, dout.dtype, dbias_into)
 
 
 class BiasDropoutResidualFunction(torch.autograd.Function):
@@ -45,12 +44,13 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
         (mask,) = ctx.saved_tensors
         dout = dout.contiguous()
         into = dispatch.grad_in_place(ctx.bias)
-        handoff = ctx.residual_grad is not None and ctx.residual_grad.claimed is not None and ctx.needs_input_grad[2]
-        # a GEMM taking the residual's gradient accumulates into it: it gets a copy of its own
-        copy = handoff and ctx.residual_grad.claimed == "accumulate"
-        dx, dbias, dres = ctx.bwd(dout, mask, ctx.p, into, copy)
+        dx, dbias = ctx.bwd(dout, mask, ctx.p, into)
+        # dout goes to a first op that only reads it (pre-LN's LayerNorm): one that accumulates into
+        # it would need a copy, which costs what autograd's add does
+        handoff = (ctx.residual_grad is not None and ctx.residual_grad.claimed == "read"
+                   and ctx.needs_input_grad[2])
         if handoff:
-            ctx.residual_grad.put(dres if copy else dout)
+            ctx.residual_grad.put(dout)
         return dx, dispatch.for_autograd(dbias, into), None if handoff else dout, None, None, None
 
 

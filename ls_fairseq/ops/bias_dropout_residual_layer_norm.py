@@ -25,7 +25,7 @@ def bias_dropout_residual_layer_norm_backward_reference(dy, x, weight, mean, rst
                                                         dln_bias_into=None, dbias_into=None):
     # dx (the residual's gradient) from LayerNorm's backward; dh = dx * mask / (1 - p), dbias its column sum
     dx, dweight, dln_bias = layer_norm_backward_reference(dy, x, weight, mean, rstd, dweight_into, dln_bias_into)
-    dh, dbias, _ = bias_dropout_residual_backward_reference(dx, mask, p, dbias_into)
+    dh, dbias = bias_dropout_residual_backward_reference(dx, mask, p, dbias_into)
     return dh, dbias, dx, dweight, dln_bias
 
 
