@@ -47,7 +47,6 @@ class BiasDropoutResidualLayerNormFunction(torch.autograd.Function):
         if dy is None:
             return (None,) * 9
         x, weight, mean, rstd, mask = ctx.saved_tensors
-        bias, _, ln_bias = ctx.params
         into = [dispatch.grad_in_place(t) for t in ctx.params]
         dh, dbias, dx, dweight, dln_bias = ctx.bwd(dy.contiguous(), x, weight, mean, rstd, mask, ctx.p, into[1], into[2],
                                                     into[0])
