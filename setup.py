@@ -35,6 +35,13 @@ def cuda_extension():
         )
         return [], {}
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    # Compile and link with the C++ compiler torch's own extension builds use ($CXX, else c++),
+    # not the one Python was built with (sysconfig's CC and LDSHARED): a private toolchain may link
+    # its C++ runtime statically, and an extension with a runtime of its own crashes when an
+    # exception (a failed input check) crosses from it into torch and pybind11.
+    cxx = os.environ.setdefault("CXX", "c++")
+    os.environ.setdefault("CC", cxx)
+    os.environ.setdefault("LDSHARED", cxx + " -pthread -shared")
     here = os.path.dirname(os.path.abspath(__file__))
     sources = sorted(glob.glob(os.path.join("ls_fairseq", "csrc", "*.cu"))) + [
         os.path.join("ls_fairseq", "csrc", "bindings.cpp")
