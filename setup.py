@@ -8,10 +8,29 @@ its PyTorch reference. ``TORCH_CUDA_ARCH_LIST`` (default "8.0;9.0") and
 """
 import glob
 import os
+import shlex
 import shutil
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
+
+
+def cxx_with_shared_runtime():
+    """$CXX (default c++), else the first of c++ and g++ whose toolchain has the shared C++
+    runtime (libstdc++.so) that torch and pybind11 use; None if none has. Torch's extension
+    build compiles and links with $CXX, and a toolchain with only the static runtime (as a
+    Python distribution's private one may be) gives the extension a runtime of its own: an
+    exception thrown in it (a failed input check) then crashes the process."""
+    for cxx in dict.fromkeys([os.environ.get("CXX", "c++"), "c++", "g++"]):
+        try:
+            found = subprocess.run(shlex.split(cxx) + ["-print-file-name=libstdc++.so"], capture_output=True,
+                                   text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            continue
+        if os.path.isabs(found):
+            return cxx
+    return None
 
 
 def cuda_extension():
@@ -35,13 +54,14 @@ def cuda_extension():
         )
         return [], {}
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-    # Compile and link with the C++ compiler torch's own extension builds use ($CXX, else c++),
-    # not the one Python was built with (sysconfig's CC and LDSHARED): a private toolchain may link
-    # its C++ runtime statically, and an extension with a runtime of its own crashes when an
-    # exception (a failed input check) crosses from it into torch and pybind11.
-    cxx = os.environ.setdefault("CXX", "c++")
-    os.environ.setdefault("CC", cxx)
-    os.environ.setdefault("LDSHARED", cxx + " -pthread -shared")
+    cxx = cxx_with_shared_runtime()
+    if cxx is None:
+        print("ls_fairseq: no C++ compiler found that links the shared C++ runtime (libstdc++.so); "
+              "a failed input check may crash the process", file=sys.stderr)
+    elif cxx != os.environ.get("CXX", cxx):
+        print("ls_fairseq: CXX={} has no shared C++ runtime (libstdc++.so); building with {}".format(
+            os.environ["CXX"], cxx), file=sys.stderr)
+        os.environ["CXX"] = cxx
     here = os.path.dirname(os.path.abspath(__file__))
     sources = sorted(glob.glob(os.path.join("ls_fairseq", "csrc", "*.cu"))) + [
         os.path.join("ls_fairseq", "csrc", "bindings.cpp")
