@@ -2,6 +2,8 @@
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "wmt14_en_de"))
 import bench  # noqa: E402
 
@@ -36,3 +38,21 @@ def test_first_updates_wps_is_tokens_over_time_of_each_update_once():
            interval(1, 20, 4000).replace("ups=30", "ups=40"), interval(1, 30, 1), interval(1, 40, 1)]
     # 10 updates in 1 s at 1000 wps, 10 in 0.25 s at 4000 wps: 2000 tokens in 1.25 s
     assert bench.first_updates_wps("\n".join(log), profiled=[25], updates=30) == 2000 / 1.25
+
+
+def test_several_gpus_take_neighbouring_batches_in_each_update_for_both_systems():
+    from fairseq.data.iterators import EpochBatchIterator
+    from torch.utils.data import TensorDataset
+
+    assert bench.distributed_options(1, True) == ["--distributed-world-size", "1"]
+    for with_ls in (False, True):
+        assert "--grouped-shuffling" in bench.distributed_options(2, with_ls)
+    assert "legacy_ddp" in bench.distributed_options(2, True) and "legacy_ddp" not in bench.distributed_options(2, False)
+    # what the option does in fairseq: batches (built from length-sorted indices) go to the ranks in
+    # shuffled groups of neighbours, so the two ranks' batches of an update are batch 2k and 2k + 1
+    batches = [[i] for i in range(10)]
+    shards = [EpochBatchIterator(TensorDataset(torch.arange(10)), None, batches, seed=3, num_shards=2, shard_id=rank,
+                                 grouped_shuffling=True).ordered_batches(epoch=2, fix_batches_to_gpus=False, shuffle=True)
+              for rank in (0, 1)]
+    assert [b[0] for b in shards[0]] != list(range(0, 10, 2))  # shuffled
+    assert all(b1[0] == b0[0] + 1 and b0[0] % 2 == 0 for b0, b1 in zip(*shards))

@@ -112,6 +112,20 @@ def first_updates_wps(log, profiled, updates=200):
     return tokens / seconds if seconds else None
 
 
+def distributed_options(gpus, with_ls):
+    """fairseq-train's data-parallel options for ``gpus`` GPUs, the same for both systems but the
+    plugin's backend: the world size always (fairseq-train otherwise takes every visible GPU); with
+    several GPUs, --grouped-shuffling (each update's batches are neighbours in fairseq's length-sorted
+    batch list, so every rank's step takes about as long and none waits for a longer batch at the
+    all-reduce), and for the plugin legacy_ddp (one all-reduce over ls_adam's gradient workspace)."""
+    options = ["--distributed-world-size", str(gpus)]
+    if gpus > 1:
+        options.append("--grouped-shuffling")
+        if with_ls:
+            options += ["--ddp-backend", "legacy_ddp"]
+    return options
+
+
 def run(system, arch, max_tokens, gpus, data, epochs, work, steady_from=2):
     """One fairseq-train run; ``gpus`` > 1: fairseq's data-parallel training over that many GPUs
     (--max-tokens per GPU), the plugin's gradients all-reduced over its workspace (legacy_ddp)."""
@@ -119,10 +133,7 @@ def run(system, arch, max_tokens, gpus, data, epochs, work, steady_from=2):
     with_ls = prefix == "ls_"
     name = "{}-{}-{}".format(arch, system, max_tokens) + ("-{}gpus".format(gpus) if gpus > 1 else "")
     hooks_out = os.path.join(work, name + ".hooks.json")
-    # the world size always given: fairseq-train otherwise takes every visible GPU
-    distributed = ["--distributed-world-size", str(gpus)]
-    if gpus > 1 and with_ls:
-        distributed += ["--ddp-backend", "legacy_ddp"]
+    distributed = distributed_options(gpus, with_ls)
     cmd = [sys.executable, "-m", entry, data, "--user-dir", os.path.join(HERE, "bench_hooks"),
            "--arch", prefix + ARCHS[arch], "--criterion", criterion, "--optimizer", optimizer,
            "--max-tokens", str(max_tokens), "--max-epoch", str(epochs),

@@ -13,9 +13,11 @@
 # decided on the device). On GPUs: --fp16 (fp32 master weights: the plugin's
 # in ls_adam, stock's in FP16Optimizer), --max-tokens 8192 per GPU and
 # --update-freq ceil(16 / GPUs) (about 130k tokens per update whatever the GPU
-# count; fairseq-train uses every visible GPU), and with several GPUs the plugin
-# adds --ddp-backend legacy_ddp (one all-reduce over ls_adam's gradient
-# workspace per update); without a GPU: fp32 on the CPU.
+# count; fairseq-train uses every visible GPU); with several GPUs
+# --grouped-shuffling for both systems (the GPUs of an update take neighbouring
+# batches of fairseq's length-sorted list, so none waits long for another at
+# the all-reduce) and the plugin adds --ddp-backend legacy_ddp (one all-reduce
+# over ls_adam's gradient workspace per update); without a GPU: fp32 on the CPU.
 set -euo pipefail
 WORK=${WORK:-data/wmt14_en_de}
 SAVE=""
@@ -28,7 +30,7 @@ while [ $# -gt 0 ]; do
     --save) SAVE=$2; shift 2 ;;
     --max-tokens) MAX_TOKENS=$2; shift 2 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "train.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -38,6 +40,7 @@ GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())')
 if [ "$GPUS" -gt 0 ]; then
   DEVICE=(--update-freq $(( (16 + GPUS - 1) / GPUS )))
   DEVICE+=(--fp16)
+  [ "$GPUS" -gt 1 ] && DEVICE+=(--grouped-shuffling)
   GEN_DEVICE=(--fp16)
 else
   DEVICE=(--cpu)
