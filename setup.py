@@ -58,9 +58,9 @@ def cuda_extension():
     if cxx is None:
         print("ls_fairseq: no C++ compiler found that links the shared C++ runtime (libstdc++.so); "
               "a failed input check may crash the process", file=sys.stderr)
-    elif cxx != os.environ.get("CXX", cxx):
-        print("ls_fairseq: CXX={} has no shared C++ runtime (libstdc++.so); building with {}".format(
-            os.environ["CXX"], cxx), file=sys.stderr)
+    elif cxx != os.environ.get("CXX", "c++"):
+        print("ls_fairseq: {} has no shared C++ runtime (libstdc++.so); building with {}".format(
+            os.environ.get("CXX", "c++"), cxx), file=sys.stderr)
         os.environ["CXX"] = cxx
     here = os.path.dirname(os.path.abspath(__file__))
     sources = sorted(glob.glob(os.path.join("ls_fairseq", "csrc", "*.cu"))) + [

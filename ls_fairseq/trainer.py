@@ -67,6 +67,7 @@ def sum_over_workers(data, device, group=None, host_group=None):
 
 class LSTrainer(Trainer):
     _host_group = None  # the CPU (gloo) group of the data-parallel stat sums, made at the first one
+
     @property
     def device_step(self):
         return isinstance(self.optimizer, DeviceStepAdam)

@@ -6,11 +6,12 @@ by ``first_scale`` (1/sqrt(d_head) for a query, folded in here as fairseq
 scales q after its bias). ``token_major``: the parts are views of
 [parts, B, T, heads, d_head] storage, the layout FlashAttention and the
 memory-efficient kernel work in: their output then keeps it, and merging its
-heads for the out projection is a view, not a copy (forward and backward). parts = 3 gives q, k, v of self-attention; parts = 2L
-gives the keys and values of all L decoder layers' cross-attention from one
-GEMM. x + bias is never stored. merge_heads is the inverse layout change for
-the attention output (ops.linear(..., heads=True) applies it inside the output
-projection, keeping only the unmerged output).
+heads for the out projection is a view, not a copy (forward and backward).
+parts = 3 gives q, k, v of self-attention; parts = 2L gives the keys and values
+of all L decoder layers' cross-attention from one GEMM. x + bias is never
+stored. merge_heads is the inverse layout change for the attention output
+(ops.linear(..., heads=True) applies it inside the output projection, keeping
+only the unmerged output).
 """
 import torch
 

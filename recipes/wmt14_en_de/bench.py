@@ -259,8 +259,9 @@ def main():
                         help="steady state: the log intervals from this epoch on (those that captured a CUDA graph "
                         "left out). The graphed systems capture a shape at its second batch; fairseq repeats an "
                         "epoch's batches (shuffled), so on one GPU every step of epoch 3 replays (the synthetic data "
-                        "at 8,192 tokens: 107 batches an epoch, 66 shapes): use 3. On N GPUs each rank sees 1/N of "
-                        "an epoch's batches and meets its shapes later: use more --epochs (2 GPUs: 5, from 4)")
+                        "at 8,192 tokens: 107 batches an epoch, 66 shapes): use 3. On N GPUs --grouped-shuffling "
+                        "gives each rank the same batches every epoch, so the same should hold (not yet measured; "
+                        "without it two GPUs were still capturing in epoch 5: --epochs 10, from 7, in run 14)")
     parser.add_argument("--pairs", type=int, default=24000)
     parser.add_argument("--gpus", default="1", help="GPU counts, e.g. 1,2 (data-parallel, --max-tokens per GPU)")
     args = parser.parse_args()
