@@ -23,15 +23,34 @@ struct RowInfo {
 };
 
 // The masks of one row, resolved once per row: key j is masked when padded or after `last`.
+// The row's batch and query index in 32-bit arithmetic whenever the numbers fit (a 64-bit
+// division is a long software routine, a large share of a short row's instructions).
 struct RowMask {
   const uint8_t* padding;
   int last;
   __device__ RowMask(const RowInfo& info, int64_t row) {
-    const int64_t b = row / (int64_t(info.heads) * info.tq);
+    const int64_t per_batch = int64_t(info.heads) * info.tq;
+    int64_t b;
+    int q;
+    if (row <= 0xFFFFFFFFll && per_batch <= 0xFFFFFFFFll) {
+      b = unsigned(row) / unsigned(per_batch);
+      q = int(unsigned(row) % unsigned(info.tq));
+    } else {
+      b = row / per_batch;
+      q = int(row % info.tq);
+    }
     padding = info.key_padding ? info.key_padding + b * info.tk : nullptr;
-    last = info.causal ? int(row % info.tq) + info.tk - info.tq : info.tk - 1;
+    last = info.causal ? q + info.tk - info.tq : info.tk - 1;
   }
   __device__ bool operator()(int j) const { return j > last || (padding && padding[j]); }
+  // keys j0 .. j0 + N - 1, the padding bytes in one access (j0 a multiple of N, the rows 8-byte aligned)
+  template <int N>
+  __device__ void run(int j0, bool (&out)[N]) const {
+    bool pad[N] = {};
+    if (padding) load_mask<N>(padding + j0, pad);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = j0 + i > last || pad[i];
+  }
 };
 
 // Reductions over the GROUP lanes that share a row (GROUP a power of two <= 32).
@@ -71,11 +90,15 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
     const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
     constexpr int N = CONTIG ? 8 : 1;
     float t[N];
+    bool hidden[N];
     const bool in = valid && j0 < tk;  // CONTIG: tk % 8 == 0, so a run is all in or all out
-    if (in) load<T, N>(s + j0, t);
+    if (in) {
+      load<T, N>(s + j0, t);
+      masked.template run<N>(j0, hidden);
+    }
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      v[k0 + i] = (in && !masked(j0 + i)) ? t[i] : -INFINITY;
+      v[k0 + i] = (in && !hidden[i]) ? t[i] : -INFINITY;
       m = fmaxf(m, v[k0 + i]);
     }
   }
@@ -231,7 +254,7 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
   LS_DISPATCH(dt, {
     const int run = 8 * sizeof(T);
     const bool contig = tk % 8 == 0 && aligned_to(scores, run) && aligned_to(probs, run) &&
-                        (p == 0.f || (aligned_to(out, run) && aligned_to(mask, 8)));
+                        aligned_to(key_padding, 8) && (p == 0.f || (aligned_to(out, run) && aligned_to(mask, 8)));
     const bool warp = with_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
       softmax_forward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
           (const T*)scores, info, (T*)out, (T*)probs, mask, rows, p, rng);
