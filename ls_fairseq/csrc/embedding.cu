@@ -8,9 +8,9 @@
 // result is deterministic: the ids are sorted beforehand (a stable radix sort of
 // 32-bit keys over only the bits the table needs: two 8-bit passes for a 32k
 // vocabulary), which lines up each id's tokens as a run of sorted positions. The
-// sorted positions are cut into chunks of kPieceRows; one block sums the piece of
-// a run inside one chunk (four rows in flight), so a frequent token's long run
-// (hundreds of tokens of "," or "the" in a real batch) is summed by many blocks,
+// sorted positions are cut into chunks of kPieceRows; one warp sums the piece of
+// a run inside one chunk (four vectors of a lane in flight), so a frequent token's long run
+// (hundreds of tokens of "," or "the" in a real batch) is summed by many warps,
 // not walked by one. A run inside one chunk is written to the table at once; a
 // run across chunks leaves its pieces' fp32 sums in the chunks' head/tail slots,
 // and a second kernel adds them in chunk order. Padding rows and ids absent from
@@ -49,7 +49,7 @@ struct EmbForward {
   __device__ void finish(int64_t, int, float (&)[N]) const {}
 };
 
-constexpr int kRunRows = 4;     // rows of a piece in flight per thread
+constexpr int kRunVectors = 4;  // a lane's vectors in flight: ITEMS of each of kRunVectors / ITEMS rows
 constexpr int kPieceRows = 32;  // sorted positions per chunk: the most rows one block sums
 
 // The table row `id` from a run's fp32 sum: scaled, written or added.
@@ -64,52 +64,74 @@ __device__ __forceinline__ void write_row(T* dtable, bool accumulate, int id, in
   store<T, V>(out, o);
 }
 
-// Block k sums the piece that starts at sorted position k (a run's start, or a chunk's
-// start inside a run) up to the run's or the chunk's end. Its sum goes to the table (the
-// whole run), to the chunk's head slot (a run continued from the previous chunk) or to
-// its tail slot (a run that continues into the next chunk): pieces[(2 chunk + slot) dim].
-template <typename T, int V>
-__global__ void embedding_backward_piece_kernel(const T* __restrict__ dout, const uint8_t* __restrict__ mask,
-                                                const int* __restrict__ sorted_ids, const int* __restrict__ order,
-                                                T* __restrict__ dtable, bool accumulate, float* __restrict__ pieces,
-                                                int64_t n, int dim, float scale, int padding_idx, float p) {
-  const int64_t k = blockIdx.x, chunk = k / kPieceRows;
+// Warp k (kPieceWarps a block) sums the piece that starts at sorted position k (a run's
+// start, or a chunk's start inside a run) up to the run's or the chunk's end. Its lanes find
+// that end at once (a chunk is 32 positions, one a lane) and load the piece's row numbers;
+// a lane then holds ITEMS vectors of a row (ITEMS x 32 x V columns a trip), with
+// kRunVectors / ITEMS rows' loads in flight. Its sum goes to the table (the whole run), to the chunk's head slot (a
+// run continued from the previous chunk) or to its tail slot (a run that continues into
+// the next chunk): pieces[(2 chunk + slot) dim].
+constexpr int kPieceWarps = 8;
+static_assert(kPieceRows == 32, "a piece's positions are one warp's lanes");
+
+template <typename T, int V, int ITEMS>
+__global__ void __launch_bounds__(32 * kPieceWarps)
+    embedding_backward_piece_kernel(const T* __restrict__ dout, const uint8_t* __restrict__ mask,
+                                    const int* __restrict__ sorted_ids, const int* __restrict__ order,
+                                    T* __restrict__ dtable, bool accumulate, float* __restrict__ pieces, int64_t n,
+                                    int dim, float scale, int padding_idx, float p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t k = int64_t(blockIdx.x) * kPieceWarps + (threadIdx.x >> 5), chunk = k / kPieceRows;
+  if (k >= n) return;
   const int id = sorted_ids[k];
   const bool run_start = k == 0 || sorted_ids[k - 1] != id;
-  if (id == padding_idx || !(run_start || k % kPieceRows == 0)) return;
+  if (id == padding_idx || !(run_start || k % kPieceRows == 0)) return;  // the whole warp
   const int64_t chunk_end = (chunk + 1) * kPieceRows < n ? (chunk + 1) * kPieceRows : n;
-  int64_t end = k + 1;
-  while (end < chunk_end && sorted_ids[end] == id) ++end;
+  // the run's positions from k on are a prefix of the lanes (sorted ids)
+  const bool in_run = k + lane < chunk_end && sorted_ids[k + lane] == id;
+  const unsigned run = __ballot_sync(0xffffffffu, in_run);
+  const int len = run == 0xffffffffu ? 32 : __ffs(~run) - 1;
+  const int64_t end = k + len;
   const bool continues = end == chunk_end && end < n && sorted_ids[end] == id;
   float* const slot = !run_start ? pieces + 2 * chunk * dim : continues ? pieces + (2 * chunk + 1) * dim : nullptr;
+  const int my_row = in_run ? order[k + lane] : 0;
   const float drop = p > 0.f ? 1.f / (1.f - p) : 1.f;
-  for (int c = (blockIdx.y * blockDim.x + threadIdx.x) * V; c < dim; c += gridDim.y * blockDim.x * V) {
-    float acc[V] = {};
-    for (int64_t kk = k; kk < end; kk += kRunRows) {
-      float v[kRunRows][V];
-      bool keep[kRunRows][V];
+  constexpr int ROWS = kRunVectors / ITEMS;
+  for (int c0 = 0; c0 < dim; c0 += ITEMS * 32 * V) {  // the same trips for every lane: they shuffle
+    float acc[ITEMS][V] = {};
+    for (int r0 = 0; r0 < len; r0 += ROWS) {
+      Pack<T, V> v[ROWS][ITEMS];
+      Pack<uint8_t, V> keep[ROWS][ITEMS];
 #pragma unroll
-      for (int u = 0; u < kRunRows; ++u) {
-        const bool in = kk + u < end;
-        const int64_t e = in ? int64_t(order[kk + u]) * dim + c : 0;
-        if (in) load<T, V>(dout + e, v[u]);
-        if (in && mask) load_mask<V>(mask + e, keep[u]);
+      for (int u = 0; u < ROWS; ++u) {
+        const int64_t row = __shfl_sync(0xffffffffu, my_row, (r0 + u) & 31);
 #pragma unroll
-        for (int i = 0; i < V; ++i) {
-          if (!in) v[u][i] = 0.f;
-          if (!in || !mask) keep[u][i] = true;
+        for (int it = 0; it < ITEMS; ++it) {
+          const int c = c0 + (it * 32 + lane) * V;
+          const bool in = r0 + u < len && c < dim;
+          v[u][it] = in ? *reinterpret_cast<const Pack<T, V>*>(dout + row * dim + c) : Pack<T, V>{};
+          keep[u][it] = in && mask ? *reinterpret_cast<const Pack<uint8_t, V>*>(mask + row * dim + c)
+                                   : Pack<uint8_t, V>{};
         }
       }
 #pragma unroll
-      for (int u = 0; u < kRunRows; ++u)
+      for (int u = 0; u < ROWS; ++u)
 #pragma unroll
-        for (int i = 0; i < V; ++i) acc[i] += keep[u][i] ? v[u][i] * drop : 0.f;
+        for (int it = 0; it < ITEMS; ++it)
+#pragma unroll
+          for (int i = 0; i < V; ++i)
+            acc[it][i] += !mask || keep[u][it].v[i] ? to_f(v[u][it].v[i]) * drop : 0.f;
     }
-    if (slot) {
 #pragma unroll
-      for (int i = 0; i < V; ++i) slot[c + i] = acc[i];
-    } else {
-      write_row<T, V>(dtable, accumulate, id, dim, c, scale, acc);
+    for (int it = 0; it < ITEMS; ++it) {
+      const int c = c0 + (it * 32 + lane) * V;
+      if (c >= dim) continue;
+      if (slot) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) slot[c + i] = acc[it][i];
+      } else {
+        write_row<T, V>(dtable, accumulate, id, dim, c, scale, acc[it]);
+      }
     }
   }
 }
@@ -210,9 +232,14 @@ void embedding_backward(DType dt, const void* dout, const uint8_t* mask, const i
     auto launch = [&]<int V>() {
       const int vectors = dim / V, threads = vectors < 256 ? (vectors + 31) / 32 * 32 : 256;
       const int col_blocks = ceil_div(vectors, threads);
-      embedding_backward_piece_kernel<T, V><<<dim3(n, col_blocks), threads, 0, stream>>>(
-          (const T*)dout, mask, bb.keys_out, bb.order_out, (T*)dtable.ptr, dtable.accumulate, bb.pieces, n, dim,
-          scale, padding_idx, p);
+      auto pieces = [&]<int ITEMS>() {
+        embedding_backward_piece_kernel<T, V, ITEMS><<<ceil_div(n, kPieceWarps), 32 * kPieceWarps, 0, stream>>>(
+            (const T*)dout, mask, bb.keys_out, bb.order_out, (T*)dtable.ptr, dtable.accumulate, bb.pieces, n, dim,
+            scale, padding_idx, p);
+      };
+      if (vectors <= 32) pieces.template operator()<1>();
+      else if (vectors <= 64) pieces.template operator()<2>();
+      else pieces.template operator()<4>();
       embedding_backward_join_kernel<T, V><<<dim3(piece_chunks(n), col_blocks), threads, 0, stream>>>(
           bb.keys_out, bb.pieces, (T*)dtable.ptr, dtable.accumulate, n, dim, scale, padding_idx);
     };
