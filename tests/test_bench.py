@@ -56,3 +56,23 @@ def test_several_gpus_take_neighbouring_batches_in_each_update_for_both_systems(
               for rank in (0, 1)]
     assert [b[0] for b in shards[0]] != list(range(0, 10, 2))  # shuffled
     assert all(b1[0] == b0[0] + 1 and b0[0] % 2 == 0 for b0, b1 in zip(*shards))
+
+
+def test_several_gpus_keep_one_batch_iterator_that_reshuffles_its_groups_every_epoch():
+    from fairseq import options
+    from fairseq.data.iterators import EpochBatchIterator
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from torch.utils.data import TensorDataset
+
+    # fairseq makes --update-epoch-batch-itr default to --grouped-shuffling (a new iterator, data loader
+    # and workers every epoch); the options turn that off, in the config fairseq's trainer reads
+    args = options.parse_args_and_arch(
+        options.get_training_parser(), ["data", "--arch", "transformer"] + bench.distributed_options(2, True)
+    )
+    cfg = convert_namespace_to_omegaconf(args)
+    assert cfg.dataset.grouped_shuffling is True and cfg.dataset.update_epoch_batch_itr is False
+    # the one iterator still draws a new grouped order each epoch
+    itr = EpochBatchIterator(TensorDataset(torch.arange(12)), None, [[i] for i in range(12)], seed=3, num_shards=2,
+                             shard_id=0, grouped_shuffling=True)
+    orders = [[b[0] for b in itr.ordered_batches(epoch, fix_batches_to_gpus=False, shuffle=True)] for epoch in (2, 3)]
+    assert orders[0] != orders[1] and all(i % 2 == 0 for order in orders for i in order)

@@ -16,7 +16,8 @@
 # count; fairseq-train uses every visible GPU); with several GPUs
 # --grouped-shuffling for both systems (the GPUs of an update take neighbouring
 # batches of fairseq's length-sorted list, so none waits long for another at
-# the all-reduce) and the plugin adds --ddp-backend legacy_ddp (one all-reduce
+# the all-reduce; --update-epoch-batch-itr False keeps one batch iterator and
+# its data loader's workers for the whole run, as with one GPU) and the plugin adds --ddp-backend legacy_ddp (one all-reduce
 # over ls_adam's gradient workspace per update); without a GPU: fp32 on the CPU.
 set -euo pipefail
 WORK=${WORK:-data/wmt14_en_de}
@@ -40,7 +41,7 @@ GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())')
 if [ "$GPUS" -gt 0 ]; then
   DEVICE=(--update-freq $(( (16 + GPUS - 1) / GPUS )))
   DEVICE+=(--fp16)
-  [ "$GPUS" -gt 1 ] && DEVICE+=(--grouped-shuffling)
+  [ "$GPUS" -gt 1 ] && DEVICE+=(--grouped-shuffling --update-epoch-batch-itr False)
   GEN_DEVICE=(--fp16)
 else
   DEVICE=(--cpu)
