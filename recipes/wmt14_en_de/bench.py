@@ -263,8 +263,7 @@ def main():
                         "left out). The graphed systems capture a shape at its second batch; fairseq repeats an "
                         "epoch's batches (shuffled), so on one GPU every step of epoch 3 replays (the synthetic data "
                         "at 8,192 tokens: 107 batches an epoch, 66 shapes): use 3. On N GPUs --grouped-shuffling "
-                        "gives each rank the same batches every epoch, so the same should hold (not yet measured; "
-                        "without it two GPUs were still capturing in epoch 5: --epochs 10, from 7, in run 14)")
+                        "gives each rank the same batches every epoch, so the same holds (runs 17-18 at two GPUs)")
     parser.add_argument("--pairs", type=int, default=24000)
     parser.add_argument("--gpus", default="1", help="GPU counts, e.g. 1,2 (data-parallel, --max-tokens per GPU)")
     args = parser.parse_args()
