@@ -5,19 +5,24 @@ drives the plugin directly, as fairseq's trainer does under --ddp-backend legacy
 backward, optimizer.all_reduce_grads(model), step.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ls_fairseq.ops.dispatch import IN_WORKSPACE, NO_GRAD_HOOKS, grad_in_place
 from ls_fairseq.optim.ls_adam import LSAdam, LSAdamConfig
+from ls_fairseq.optim.mixed_precision import DeviceStepAdam
 from ls_fairseq.trainer import sum_over_workers
 
 
-def model_and_optimizer():
+def model_and_optimizer(device_step=False):
+    """``device_step``: ls_adam as ls-fairseq-train runs it, the update decided on the device."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 5))
-    return model, LSAdam(LSAdamConfig(adam_betas="(0.9, 0.98)", weight_decay=0.01, lr=[1e-2]), list(model.parameters()))
+    cfg = LSAdamConfig(adam_betas="(0.9, 0.98)", weight_decay=0.01, lr=[1e-2])
+    adam = LSAdam(cfg, list(model.parameters()))
+    return model, DeviceStepAdam(cfg, adam) if device_step else adam
 
 
 def batch(step):
@@ -29,28 +34,37 @@ def loss_of(model, x, y):
     return ((model(x) - y) ** 2).sum()
 
 
-def worker(rank, init_file, out):
+def worker(rank, init_file, out, device_step):
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=2)
-    model, opt = model_and_optimizer()
+    model, opt = model_and_optimizer(device_step)
+    summed = []
     for step in range(5):
         x, y = batch(step)
         half = slice(4 * rank, 4 * rank + 4)
         opt.zero_grad()
-        loss_of(model, x[half], y[half]).backward()
+        opt.backward(loss_of(model, x[half], y[half]))
         opt.all_reduce_grads(model)
         opt.all_reduce_grads(model)  # a second call in the same step (criterion with parameters) is a no-op
+        summed.append(opt.workspace.grad.clone())
         opt.step()
-    torch.save([p.detach().clone() for p in model.parameters()], "{}.{}".format(out, rank))
+    torch.save(([p.detach().clone() for p in model.parameters()], summed), "{}.{}".format(out, rank))
     dist.destroy_process_group()
 
 
-def test_two_ranks_end_identical_and_equal_one_process_on_the_whole_batch(tmp_path):
+@pytest.mark.parametrize("device_step", [False, True])
+def test_two_ranks_end_identical_and_equal_one_process_on_the_whole_batch(tmp_path, device_step):
     out = str(tmp_path / "params")
-    mp.spawn(worker, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
-    rank0, rank1 = torch.load(out + ".0"), torch.load(out + ".1")
-    for a, b in zip(rank0, rank1):
+    mp.spawn(worker, args=(str(tmp_path / "init"), out, device_step), nprocs=2, join=True)
+    (rank0, grads0), (rank1, grads1) = torch.load(out + ".0"), torch.load(out + ".1")
+    for a, b in zip(rank0 + grads0, rank1 + grads1):
         assert torch.equal(a, b)
+    # the device step's all-reduce leaves the sum of the workers' gradients (their average's 1/2 is
+    # applied inside the update, with no pass of its own); plain ls_adam's leaves the average
     model, opt = model_and_optimizer()
+    opt.zero_grad()
+    x, y = batch(0)
+    ((1.0 if device_step else 0.5) * loss_of(model, x, y)).backward()
+    torch.testing.assert_close(grads0[0], opt.workspace.grad, rtol=1e-5, atol=1e-6)
     for step in range(5):
         x, y = batch(step)
         opt.zero_grad()

@@ -227,10 +227,18 @@ class LSAdam(FairseqOptimizer):
         fairseq calls this under ``--ddp-backend legacy_ddp``, once for the model and
         once for a criterion with parameters: the workspace holds both, so only the
         first call of a step reduces."""
+        workers = self.sum_grads_over_workers()
+        if workers > 1:
+            self.workspace.grad.div_(workers)
+
+    def sum_grads_over_workers(self):
+        """Sum the gradients over workers in one all-reduce of the workspace, at the first call of
+        a step; returns how many workers' gradients the workspace now holds the sum of (1: none
+        summed by this call)."""
         if self._optimizer.grads_reduced or not (dist.is_available() and dist.is_initialized()):
-            return
+            return 1
+        self._optimizer.grads_reduced = True
         world_size = dist.get_world_size()
         if world_size > 1:
-            self.workspace.grad.div_(world_size)
             dist.all_reduce(self.workspace.grad)
-        self._optimizer.grads_reduced = True
+        return world_size

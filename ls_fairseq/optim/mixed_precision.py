@@ -157,7 +157,10 @@ class DeviceStepAdam(FairseqOptimizer):
         self.reduced = False
 
     def all_reduce_grads(self, module):
-        self.adam.all_reduce_grads(module)
+        # the sum over workers; the average's 1 / workers joins the factor the update applies (a
+        # pass over the whole workspace less than dividing first; an fp16 sum that overflows is
+        # a skipped step and a lower loss scale, as any overflow is)
+        self.factor /= self.adam.sum_grads_over_workers()
 
     def state_dict(self):
         self._optimizer.num_steps = int(self.state[STEP].item())
