@@ -18,18 +18,21 @@ def captured(n):
            "src_tokens=[8, 24]".format(bench.CAPTURED, n)
 
 
-def test_steady_state_leaves_out_early_epochs_profiled_and_capturing_intervals():
+def test_steady_state_leaves_out_early_epochs_capturing_intervals_and_all_from_the_profile_on():
     # two ranks log each interval; rank 1 captures a graph during updates 31..40, after both
-    # ranks logged update 30; updates 51..60 are profiled
+    # ranks logged update 30; updates 55..57 are profiled, and the steps after a profile run
+    # slower too (run 17), so update 70's interval is out as well as update 60's
     log = [interval(1, 10, 100)]
     for update in (20, 30, 40, 50, 60, 70):
         for _rank in range(2):
             log.append(interval(2 if update <= 30 else 3, update, 1000 + update))
         if update == 30:
             log.append(captured(7))
-    steady = bench.steady_intervals("\n".join(log), profiled=[55], steady_from=3)
-    assert [int(f["num_updates"]) for f in steady] == [50, 50, 70, 70]
-    assert [float(f["wps"]) for f in steady] == [1050, 1050, 1070, 1070]
+    steady = bench.steady_intervals("\n".join(log), profiled=[55, 56, 57], steady_from=3)
+    assert [int(f["num_updates"]) for f in steady] == [50, 50]
+    assert [float(f["wps"]) for f in steady] == [1050, 1050]
+    # without a profile, every interval from the epoch on that did not capture
+    assert [int(f["num_updates"]) for f in bench.steady_intervals("\n".join(log), [], 3)] == [50, 50, 60, 60, 70, 70]
 
 
 def test_first_updates_wps_is_tokens_over_time_of_each_update_once():
