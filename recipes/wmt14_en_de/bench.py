@@ -8,8 +8,8 @@ the steady state (mean wps of their log intervals), and a few steps of the last
 are profiled (bench_hooks: kernel launches, GPU time, host synchronisations and
 optimizer time per step, host and kernel tables). The steady state ends where
 the profiler starts: the steps after a profile run slower too (run 17: stock
-fairseq 118k wps in the epoch before, 87k after; ls_fairseq with graphs 240k and
-225k), so the last epoch counts only up to it. Intervals in which a CUDA graph
+fairseq 117k wps before it, 96k after; ls_fairseq with graphs 241k and 247k, not
+slower), so the last epoch counts only up to it. Intervals in which a CUDA graph
 was captured (graphed systems) are left out as well.
 Per point also: ups, the wall time of a step, peak GPU memory over the run,
 MFU, and the speed-up over stock fairseq --fp16 (its fastest setting). Writes
