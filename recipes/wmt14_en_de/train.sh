@@ -17,8 +17,9 @@
 # --grouped-shuffling for both systems (the GPUs of an update take neighbouring
 # batches of fairseq's length-sorted list, so none waits long for another at
 # the all-reduce; --update-epoch-batch-itr False keeps one batch iterator and
-# its data loader's workers for the whole run, as with one GPU) and the plugin adds --ddp-backend legacy_ddp (one all-reduce
-# over ls_adam's gradient workspace per update); without a GPU: fp32 on the CPU.
+# its data loader's workers for the whole run, as with one GPU) and the plugin
+# adds --ddp-backend legacy_ddp (one all-reduce over ls_adam's gradient
+# workspace per update); without a GPU: fp32 on the CPU.
 set -euo pipefail
 WORK=${WORK:-data/wmt14_en_de}
 SAVE=""
