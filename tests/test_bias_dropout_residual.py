@@ -46,7 +46,8 @@ def test_shape_mismatch_is_named():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,hidden", [(1, 1024), (7, 1030), (8191, 1024)])
+# rows: one chunk of rows; 94 chunks in 6 groups, the last one short; the most chunks (512)
+@pytest.mark.parametrize("rows,hidden", [(1, 1024), (7, 1030), (3000, 1030), (8191, 1024), (20000, 512)])
 @pytest.mark.parametrize("p", [0.0, 0.1])
 def test_kernel_matches_reference(dtype, rows, hidden, p):
     x, r, dout = (torch.randn(rows, hidden, device="cuda").to(dtype) for _ in range(3))
@@ -57,12 +58,21 @@ def test_kernel_matches_reference(dtype, rows, hidden, p):
     assert (mask is None) == (p == 0)
     poison()
     dx, db = ext.bias_dropout_residual_backward(dout, mask, p, None)
+    assert torch.equal(db, ext.bias_dropout_residual_backward(dout, mask, p, None)[1]), "dbias must be deterministic"
     out64, _ = bias_dropout_residual_forward_reference(x.double(), b.double(), r.double(), p, mask)
     dx64, db64 = bias_dropout_residual_backward_reference(dout.double(), mask, p)
     out_l, _ = bias_dropout_residual_forward_reference(x, b, r, p, mask)
     dx_l, db_l = bias_dropout_residual_backward_reference(dout, mask, p)
     for o, ref, low, name in ((out, out64, out_l, "out"), (dx, dx64, dx_l, "dx"), (db, db64, db_l, "dbias")):
         check_kernel(o, ref, low, name)
+
+
+@pytest.mark.gpu
+def test_kernel_bias_wider_than_the_column_reduction_is_an_error():
+    dout = torch.randn(2, 70000, device="cuda")
+    ext = kernel("bias_dropout_residual", dout)
+    with pytest.raises(RuntimeError, match="70000 columns; the fused column reduction takes at most 63520"):
+        ext.bias_dropout_residual_backward(dout, None, 0.0, None)
 
 
 @pytest.mark.gpu

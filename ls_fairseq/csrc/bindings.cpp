@@ -105,6 +105,14 @@ std::pair<Tensor, ls::GradOut> grad_out(const std::optional<Tensor>& into, const
   return {t, ls::GradOut{t.data_ptr(), false}};
 }
 
+// fp32 partial sums of the fused column reductions (reduce.cuh) over `rows` rows: k sums of
+// `cols` columns in all; `widest` is the most columns one reduction takes.
+Tensor column_sum_partial(int64_t k, int64_t rows, int64_t cols, int64_t widest, const Tensor& like, const char* op) {
+  TORCH_CHECK(widest <= ls::kMaxColumnSumCols, op, ": a bias or LayerNorm gradient of ", widest,
+              " columns; the fused column reduction takes at most ", ls::kMaxColumnSumCols);
+  return torch::empty({k * ls::column_chunks(rows) * cols}, like.options().dtype(at::kFloat));
+}
+
 int hidden_of(const Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, name, " must have a non-empty last dimension");
   return int(x.size(-1));
@@ -151,7 +159,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const T
   auto dx = torch::empty_like(x);
   auto [dweight, dweight_out] = grad_out(dweight_into, x, {hidden}, "dweight_into");
   auto [dbias, dbias_out] = grad_out(dbias_into, x, {hidden}, "dbias_into");
-  auto partial = torch::empty({2 * int64_t(ls::column_chunks(rows)) * hidden}, x.options().dtype(at::kFloat));
+  auto partial = column_sum_partial(2, rows, hidden, hidden, x, "layer_norm");
   ls::layer_norm_backward(dtype_of(x, "x"), dy.data_ptr(), x.data_ptr(), weight.data_ptr(), mean.data_ptr<float>(),
                           rstd.data_ptr<float>(), dx.data_ptr(), dweight_out, dbias_out, partial.data_ptr<float>(),
                           rows, hidden, stream());
@@ -190,7 +198,7 @@ std::tuple<Tensor, Tensor> bias_dropout_residual_backward(const Tensor& dout, co
   const int64_t rows = dout.numel() / hidden;
   auto dx = torch::empty_like(dout);
   auto [dbias, dbias_out] = grad_out(dbias_into, dout, {hidden}, "dbias_into");
-  auto partial = torch::empty({ls::column_chunks(rows) * int64_t(hidden)}, dout.options().dtype(at::kFloat));
+  auto partial = column_sum_partial(1, rows, hidden, hidden, dout, "bias_dropout_residual");
   ls::bias_dropout_residual_backward(dtype_of(dout, "dout"), dout.data_ptr(), mask_ptr(mask), dx.data_ptr(), dbias_out,
                                      partial.data_ptr<float>(), rows, hidden, float(p), stream());
   CHECK_CUDA_OK();
@@ -281,7 +289,7 @@ std::tuple<Tensor, Tensor> bias_act_dropout_backward(const Tensor& dout, const T
   const int64_t rows = x.numel() / hidden;
   auto dx = torch::empty_like(x);
   auto [dbias, dbias_out] = grad_out(dbias_into, x, {hidden}, "dbias_into");
-  auto partial = torch::empty({ls::column_chunks(rows) * int64_t(hidden)}, x.options().dtype(at::kFloat));
+  auto partial = column_sum_partial(1, rows, hidden, hidden, x, "bias_act_dropout");
   ls::bias_act_dropout_backward(dtype_of(x, "x"), dout.data_ptr(), x.data_ptr(), bias ? bias->data_ptr() : nullptr,
                                 mask_ptr(mask), dx.data_ptr(), dbias_out, partial.data_ptr<float>(), rows, hidden, act,
                                 float(p), stream());
@@ -385,7 +393,9 @@ std::tuple<Tensor, Tensor> qkv_backward(const std::vector<std::optional<Tensor>>
   const c10::cuda::CUDAGuard guard(like->device());
   auto dx = torch::empty({B, T, P * H * D}, like->options());
   auto [dbias, dbias_out] = grad_out(dbias_into, *like, {P * H * D}, "dbias_into");
-  auto partial = torch::empty({ls::column_chunks(B * T) * P * H * D}, like->options().dtype(at::kFloat));
+  // a launch reduces the columns of up to kQkvMaxParts parts
+  auto partial = column_sum_partial(1, B * T, P * H * D, std::min<int64_t>(P, ls::kQkvMaxParts) * H * D, *like,
+                                    "qkv");
   ls::qkv_backward(dtype_of(*like, "dy"), parts.data(), strides.data(), dx.data_ptr(), dbias_out,
                    partial.data_ptr<float>(), int(B), int(T), int(P), int(H), int(D), float(first_scale), stream());
   CHECK_CUDA_OK();

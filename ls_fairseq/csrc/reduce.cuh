@@ -1,11 +1,14 @@
-// Two-stage deterministic column reduction fused with an elementwise map:
-// stage one evaluates K values per element of a [rows, cols] matrix with f (which
-// may also store what it computes, e.g. the op's dx), and writes K fp32 partial
-// sums per (row chunk, column); stage two (one launch for all K) adds the chunks
-// up in a fixed order and writes the K column sums in the storage type, or adds
-// them to the gradients there (GradOut::accumulate), rounding once. Used by every
-// bias gradient and by LayerNorm's gamma/beta gradients, so dx is written once
-// and never re-read.
+// Two-stage deterministic column reduction fused with an elementwise map, in one
+// launch: stage one evaluates K values per element of a [rows, cols] matrix with f
+// (which may also store what it computes, e.g. the op's dx), and writes K fp32
+// partial sums per (row chunk, column); stage two adds the chunks up in a fixed
+// order and writes the K column sums in the storage type, or adds them to the
+// gradients there (GradOut::accumulate), rounding once. Stage two runs in the
+// blocks that finish last (counted in with atomics), not in a kernel of its own: a
+// launch less per bias gradient. Used by every bias gradient and by LayerNorm's
+// gamma/beta gradients, so dx is written once and never re-read. The counters are
+// shared by the launches of one module: its launches must not overlap (they run on
+// one stream, as an autograd backward does).
 // A thread handles V adjacent columns (16-byte accesses when the caller allows),
 // a block 32 * V columns by 8 rows at a time.
 //   f: template <int N> __device__ void operator()(int64_t row, int col, float (&v)[K][N]) const;
@@ -17,45 +20,13 @@ namespace ls {
 
 constexpr int kRowTile = 8;
 
-template <int K, int V, typename F>
-__global__ void map_column_sum_kernel(F f, float* __restrict__ partial, int64_t rows, int cols, int64_t chunk_rows) {
-  __shared__ float acc_s[kRowTile][K][32 * V + 1];
-  const int col0 = (blockIdx.x * 32 + threadIdx.x) * V;
-  const int64_t r0 = blockIdx.y * chunk_rows;
-  const int64_t r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
-  float acc[K][V] = {};
-  if (col0 < cols)
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowTile) {
-      float v[K][V];
-      f.template operator()<V>(r, col0, v);
-#pragma unroll
-      for (int k = 0; k < K; ++k)
-#pragma unroll
-        for (int i = 0; i < V; ++i) acc[k][i] += v[k][i];
-    }
-#pragma unroll
-  for (int k = 0; k < K; ++k)
-#pragma unroll
-    for (int i = 0; i < V; ++i) acc_s[threadIdx.y][k][threadIdx.x * V + i] = acc[k][i];
-  __syncthreads();
-  // 32 * V columns x K sums, reduced over the 8 row lanes by all 256 threads
-  for (int idx = threadIdx.y * 32 + threadIdx.x; idx < K * 32 * V; idx += 32 * kRowTile) {
-    const int k = idx / (32 * V), c = idx % (32 * V);
-    const int col = blockIdx.x * 32 * V + c;
-    if (col >= cols) continue;
-    float s = 0.f;
-#pragma unroll
-    for (int r = 0; r < kRowTile; ++r) s += acc_s[r][k][c];
-    partial[(int64_t(k) * gridDim.y + blockIdx.y) * cols + col] = s;
-  }
-}
-
 template <int K>
 struct GradOuts {
   GradOut g[K];
 };
 
-// Stage two: a block of 32 x 32 threads per 32 columns; thread (x, y) adds chunks
+// Stage two as a kernel of its own, for LayerNorm's strips (a block per strip of rows,
+// all columns): a block of 32 x 32 threads per 32 columns; thread (x, y) adds chunks
 // y, y + 32, ... of column x (independent loads, all in flight at once), then row
 // y = 0 adds the 32 lane sums in order: a fixed order, so deterministic.
 constexpr int kFinishLanes = 32;
@@ -82,22 +53,117 @@ __global__ void column_sum_finish_kernel(const float* __restrict__ partial, int 
   o[col] = from_f<T>(s);
 }
 
+// Stage two inside the map kernel, without a launch of its own: the blocks of a column strip
+// count themselves in (one counter per group of kGroupChunks chunks, one for the groups);
+// the last block of a group adds that group's partial sums in chunk order into the group's
+// first chunk's slot, and the last group to finish adds the groups' sums in group order and
+// writes the column sums: a fixed order whatever the blocks' timing, so deterministic. Each
+// finishing block resets its counter, so the counters (module globals, zero at load) are zero
+// again for the next launch on the stream.
+static __device__ unsigned column_counters[kColumnCounters];
+
+__host__ __device__ inline int chunk_groups(int chunks) { return (chunks + kGroupChunks - 1) / kGroupChunks; }
+
+// Whether this block is the last of `count` to arrive at *counter (then it resets it); all
+// of the block's earlier global writes are visible to the last one.
+__device__ __forceinline__ bool last_to_arrive(unsigned* counter, unsigned count) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0 && threadIdx.y == 0) {
+    last = atomicAdd(counter, 1u) == count - 1;
+    if (last) *counter = 0;
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+// Adds slots first, first + step, ... (n of them) of each of the strip's K x 32V columns into
+// the first slot, or (FINAL) into the outputs.
+template <typename T, int K, int V, bool FINAL>
+__device__ void add_slots(float* partial, int chunks, int cols, int col_begin, int first, int step, int n,
+                          const GradOuts<K>& out) {
+  for (int idx = threadIdx.y * 32 + threadIdx.x; idx < K * 32 * V; idx += 32 * kRowTile) {
+    const int k = idx / (32 * V), col = col_begin + idx % (32 * V);
+    if (col >= cols) continue;
+    float* const p = partial + int64_t(k) * chunks * cols + col;
+    float s = 0.f;
+#pragma unroll 4
+    for (int i = 0; i < n; ++i) s += __ldcg(p + int64_t(first + i * step) * cols);
+    if constexpr (FINAL) {
+      GradOut g = out.g[0];
+#pragma unroll
+      for (int j = 1; j < K; ++j)  // no run-time index into the kernel's parameters (a local copy)
+        if (k == j) g = out.g[j];
+      T* const o = static_cast<T*>(g.ptr);
+      o[col] = from_f<T>(g.accumulate ? s + to_f(o[col]) : s);
+    } else {
+      __stcg(p + int64_t(first) * cols, s);
+    }
+  }
+}
+
+// Stage one (the map and the chunks' partial sums) and stage two (above) in one launch: a
+// block takes 32 x V columns of a chunk of rows, 8 rows at a time.
+template <typename T, int K, int V, typename F>
+__global__ void map_column_sum_kernel(F f, float* __restrict__ partial, int64_t rows, int cols, int64_t chunk_rows,
+                                      GradOuts<K> out) {
+  __shared__ float acc_s[kRowTile][K][32 * V + 1];
+  const int strip0 = blockIdx.x * 32 * V, col0 = strip0 + threadIdx.x * V;
+  const int chunks = gridDim.y, chunk = blockIdx.y;
+  const int64_t r0 = chunk * chunk_rows;
+  const int64_t r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
+  float acc[K][V] = {};
+  if (col0 < cols)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowTile) {
+      float v[K][V];
+      f.template operator()<V>(r, col0, v);
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[k][i] += v[k][i];
+    }
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc_s[threadIdx.y][k][threadIdx.x * V + i] = acc[k][i];
+  __syncthreads();
+  // 32 * V columns x K sums, reduced over the 8 row lanes by all 256 threads
+  for (int idx = threadIdx.y * 32 + threadIdx.x; idx < K * 32 * V; idx += 32 * kRowTile) {
+    const int k = idx / (32 * V), c = idx % (32 * V);
+    const int col = strip0 + c;
+    if (col >= cols) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int r = 0; r < kRowTile; ++r) s += acc_s[r][k][c];
+    partial[(int64_t(k) * chunks + chunk) * cols + col] = s;
+  }
+  const int groups = chunk_groups(chunks), group = chunk / kGroupChunks, first = group * kGroupChunks;
+  const int in_group = chunks - first < kGroupChunks ? chunks - first : kGroupChunks;
+  unsigned* const counters = column_counters + blockIdx.x * (groups + 1);
+  if (!last_to_arrive(counters + group, in_group)) return;
+  add_slots<T, K, V, false>(partial, chunks, cols, strip0, first, 1, in_group, out);
+  if (!last_to_arrive(counters + groups, groups)) return;
+  add_slots<T, K, V, true>(partial, chunks, cols, strip0, 0, kGroupChunks, groups, out);
+}
+
 // out[k][col] = sum over rows of the k-th value f gives for (row, col); partial holds
-// K x column_chunks(rows) x cols floats (the K sums' partials one after the other).
+// K x column_chunks(rows) x cols floats (the K sums' partials one after the other); cols at
+// most kMaxColumnSumCols.
 template <typename T, int K, typename F>
 void map_column_sum(F f, bool vectorizable, const GradOuts<K>& out, float* partial, int64_t rows, int cols,
                     cudaStream_t stream) {
   const int chunks = column_chunks(rows);
   const int64_t chunk_rows = (rows + chunks - 1) / chunks;
-  constexpr int V = kVec<T>;
-  if (vectorizable && cols % V == 0)
-    map_column_sum_kernel<K, V><<<dim3(ceil_div(cols, 32 * V), chunks), dim3(32, kRowTile), 0, stream>>>(
-        f, partial, rows, cols, chunk_rows);
+  auto launch = [&]<int V>() {
+    map_column_sum_kernel<T, K, V><<<dim3(ceil_div(cols, 32 * V), chunks), dim3(32, kRowTile), 0, stream>>>(
+        f, partial, rows, cols, chunk_rows, out);
+  };
+  if (vectorizable && cols % kVec<T> == 0)
+    launch.template operator()<kVec<T>>();
   else
-    map_column_sum_kernel<K, 1><<<dim3(ceil_div(cols, 32), chunks), dim3(32, kRowTile), 0, stream>>>(
-        f, partial, rows, cols, chunk_rows);
-  column_sum_finish_kernel<T, K><<<dim3(ceil_div(cols, 32), K), dim3(32, kFinishLanes), 0, stream>>>(partial, chunks,
-                                                                                                   cols, out);
+    launch.template operator()<1>();
 }
 
 }  // namespace ls
