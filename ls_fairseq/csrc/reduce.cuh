@@ -65,17 +65,21 @@ static __device__ unsigned column_counters[kColumnCounters];
 __host__ __device__ inline int chunk_groups(int chunks) { return (chunks + kGroupChunks - 1) / kGroupChunks; }
 
 // Whether this block is the last of `count` to arrive at *counter (then it resets it); all
-// of the block's earlier global writes are visible to the last one.
+// of the block's earlier global writes are visible to the last one: the barrier orders the
+// block's writes before thread 0's fence, which is cumulative (the pattern of a cooperative
+// grid sync), so one thread fences, not every thread.
 __device__ __forceinline__ bool last_to_arrive(unsigned* counter, unsigned count) {
   __shared__ bool last;
-  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0 && threadIdx.y == 0) {
+    __threadfence();
     last = atomicAdd(counter, 1u) == count - 1;
-    if (last) *counter = 0;
+    if (last) {
+      *counter = 0;
+      __threadfence();
+    }
   }
   __syncthreads();
-  if (last) __threadfence();
   return last;
 }
 
@@ -89,8 +93,14 @@ __device__ void add_slots(float* partial, int chunks, int cols, int col_begin, i
     if (col >= cols) continue;
     float* const p = partial + int64_t(k) * chunks * cols + col;
     float s = 0.f;
-#pragma unroll 4
-    for (int i = 0; i < n; ++i) s += __ldcg(p + int64_t(first + i * step) * cols);
+    for (int i0 = 0; i0 < n; i0 += kGroupChunks) {  // kGroupChunks slots' loads in flight at once
+      float v[kGroupChunks];
+#pragma unroll
+      for (int i = 0; i < kGroupChunks; ++i)
+        v[i] = i0 + i < n ? __ldcg(p + int64_t(first + (i0 + i) * step) * cols) : 0.f;
+#pragma unroll
+      for (int i = 0; i < kGroupChunks; ++i) s += v[i];
+    }
     if constexpr (FINAL) {
       GradOut g = out.g[0];
 #pragma unroll
