@@ -46,8 +46,9 @@ def test_shape_mismatch_is_named():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-# rows: one chunk of rows; 94 chunks in 6 groups, the last one short; the most chunks (512)
-@pytest.mark.parametrize("rows,hidden", [(1, 1024), (7, 1030), (3000, 1030), (8191, 1024), (20000, 512)])
+# row chunks (at most one wave of blocks, so device-dependent; on an H200): one; two groups, the last
+# one short (3000 x 1030); 17 groups (20000 x 512); the most, 512, in 32 groups (20000 x 24)
+@pytest.mark.parametrize("rows,hidden", [(1, 1024), (7, 1030), (3000, 1030), (8191, 1024), (20000, 512), (20000, 24)])
 @pytest.mark.parametrize("p", [0.0, 0.1])
 def test_kernel_matches_reference(dtype, rows, hidden, p):
     x, r, dout = (torch.randn(rows, hidden, device="cuda").to(dtype) for _ in range(3))

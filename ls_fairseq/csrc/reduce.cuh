@@ -161,14 +161,33 @@ __global__ void map_column_sum_kernel(F f, float* __restrict__ partial, int64_t 
 // out[k][col] = sum over rows of the k-th value f gives for (row, col); partial holds
 // K x column_chunks(rows) x cols floats (the K sums' partials one after the other); cols at
 // most kMaxColumnSumCols.
+// How many blocks of `Kernel` (32 x kRowTile threads) the device runs at once (its blocks an
+// SM found once per kernel: a template argument, not a pointer type that kernels share).
+template <auto Kernel>
+int resident_blocks() {
+  static const int per_sm = [] {
+    int n = 1;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, 32 * kRowTile, 0);
+    return n < 1 ? 1 : n;
+  }();
+  int device = 0, sms = 1;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return per_sm * sms;
+}
+
+// Row chunks: column_chunks(rows) at most (the partial's size), and no more than one wave of
+// blocks holds: every block waits for its partial sums to reach L2 and for its counter before
+// it exits, a delay a second wave would pay again.
 template <typename T, int K, typename F>
 void map_column_sum(F f, bool vectorizable, const GradOuts<K>& out, float* partial, int64_t rows, int cols,
                     cudaStream_t stream) {
-  const int chunks = column_chunks(rows);
-  const int64_t chunk_rows = (rows + chunks - 1) / chunks;
   auto launch = [&]<int V>() {
-    map_column_sum_kernel<T, K, V><<<dim3(ceil_div(cols, 32 * V), chunks), dim3(32, kRowTile), 0, stream>>>(
-        f, partial, rows, cols, chunk_rows, out);
+    constexpr auto kernel = map_column_sum_kernel<T, K, V, F>;
+    const int strips = ceil_div(cols, 32 * V), wave = resident_blocks<kernel>() / strips;
+    const int chunks = column_chunks(rows) < wave ? column_chunks(rows) : (wave < 1 ? 1 : wave);
+    const int64_t chunk_rows = (rows + chunks - 1) / chunks;
+    kernel<<<dim3(strips, chunks), dim3(32, kRowTile), 0, stream>>>(f, partial, rows, cols, chunk_rows, out);
   };
   if (vectorizable && cols % kVec<T> == 0)
     launch.template operator()<kVec<T>>();
