@@ -6,8 +6,9 @@
 // Backward: dtable[t] = sum over tokens i with token_i = t != pad of
 // scale * dout[i] * mask / (1 - p), accumulated in fp32 without atomics, so the
 // result is deterministic: the ids are sorted beforehand (a stable radix sort of
-// 32-bit keys over only the bits the table needs: two 8-bit passes for a 32k
-// vocabulary), which lines up each id's tokens as a run of sorted positions. The
+// 32-bit keys over only the bits the table needs, 15 for a 32k vocabulary: up to
+// 8,192 ids in one block's shared memory, one launch; more with cub's device-wide
+// sort), which lines up each id's tokens as a run of sorted positions. The
 // sorted positions are cut into chunks of kPieceRows; one warp sums the piece of
 // a run inside one chunk (four vectors of a lane in flight), so a frequent token's long run
 // (hundreds of tokens of "," or "the" in a real batch) is summed by many warps,
@@ -16,6 +17,7 @@
 // and a second kernel adds them in chunk order. Padding rows and ids absent from
 // the batch are not written: the caller zeroes the table, or accumulates into a
 // gradient (ls_adam's workspace) that holds what it held.
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
 #include "common.cuh"
@@ -167,6 +169,37 @@ __global__ void sort_input_kernel(const int64_t* __restrict__ ids, int* __restri
   }
 }
 
+// Up to kBlockSortKeys ids (8,192: a batch of up to 8,192 tokens) one block sorts them with their
+// positions in shared memory (cub's block radix sort, 4 bits a pass), in one launch: cub's
+// device-wide sort takes five (a memset, a histogram, a scan, two passes; ~23 us for 8,192
+// keys on an H200) and sort_input_kernel one more. Keys past n are the largest key the bits
+// hold, after every real id (a stable sort keeps them after an id of that value too).
+constexpr int kBlockSortThreads = 1024, kBlockSortItems = 8, kBlockSortKeys = kBlockSortThreads * kBlockSortItems;
+
+__global__ void __launch_bounds__(kBlockSortThreads)
+    sort_block_kernel(const int64_t* __restrict__ ids, int* __restrict__ keys_out, int* __restrict__ order_out,
+                      int n, int bits) {
+  using Sort = cub::BlockRadixSort<int, kBlockSortThreads, kBlockSortItems, int>;
+  __shared__ typename Sort::TempStorage temp;
+  const int last = int((1u << bits) - 1u);
+  int keys[kBlockSortItems], order[kBlockSortItems];
+#pragma unroll
+  for (int i = 0; i < kBlockSortItems; ++i) {  // blocked: thread t holds positions 8t .. 8t + 7
+    const int e = threadIdx.x * kBlockSortItems + i;
+    keys[i] = e < n ? int(ids[e]) : last;
+    order[i] = e;
+  }
+  Sort(temp).SortBlockedToStriped(keys, order, 0, bits);
+#pragma unroll
+  for (int i = 0; i < kBlockSortItems; ++i) {  // striped: rank i x 1024 + t, coalesced stores
+    const int e = i * kBlockSortThreads + threadIdx.x;
+    if (e < n) {
+      keys_out[e] = keys[i];
+      order_out[e] = order[i];
+    }
+  }
+}
+
 int key_bits(int64_t rows) {
   int bits = 1;
   while (bits < 31 && (int64_t(1) << bits) < rows) ++bits;
@@ -199,15 +232,17 @@ struct BackwardBuffers {
   static size_t bytes(int64_t n, int dim) { return 4 * aligned256(size_t(n) * sizeof(int)) + pieces_bytes(n, dim); }
 };
 
-size_t cub_temp_bytes(int64_t n, int64_t rows) {
+// cub's temporary storage for its device-wide sort; none for the block's
+size_t sort_temp_bytes(int64_t n, int64_t rows) {
   size_t bytes = 0;
-  cub::DeviceRadixSort::SortPairs(nullptr, bytes, (const int*)nullptr, (int*)nullptr, (const int*)nullptr,
-                                  (int*)nullptr, n, 0, key_bits(rows));
+  if (n > kBlockSortKeys)
+    cub::DeviceRadixSort::SortPairs(nullptr, bytes, (const int*)nullptr, (int*)nullptr, (const int*)nullptr,
+                                    (int*)nullptr, n, 0, key_bits(rows));
   return bytes;
 }
 
 size_t embedding_backward_workspace_bytes(int64_t n, int64_t rows, int dim) {
-  return BackwardBuffers::bytes(n, dim) + cub_temp_bytes(n, rows);
+  return BackwardBuffers::bytes(n, dim) + sort_temp_bytes(n, rows);
 }
 
 void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions, const void* weight,
@@ -224,10 +259,14 @@ void embedding_backward(DType dt, const void* dout, const uint8_t* mask, const i
                         GradOut dtable, int64_t n, int64_t rows, int dim, float scale, int padding_idx, float p,
                         cudaStream_t stream) {
   if (n == 0) return;
-  BackwardBuffers bb(workspace, n, dim, cub_temp_bytes(n, rows));
-  sort_input_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(ids, bb.keys_in, bb.order_in, n);
-  cub::DeviceRadixSort::SortPairs(bb.temp, bb.temp_bytes, bb.keys_in, bb.keys_out, bb.order_in, bb.order_out, n, 0,
-                                  key_bits(rows), stream);
+  BackwardBuffers bb(workspace, n, dim, sort_temp_bytes(n, rows));
+  if (n <= kBlockSortKeys) {
+    sort_block_kernel<<<1, kBlockSortThreads, 0, stream>>>(ids, bb.keys_out, bb.order_out, int(n), key_bits(rows));
+  } else {
+    sort_input_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(ids, bb.keys_in, bb.order_in, n);
+    cub::DeviceRadixSort::SortPairs(bb.temp, bb.temp_bytes, bb.keys_in, bb.keys_out, bb.order_in, bb.order_out, n,
+                                    0, key_bits(rows), stream);
+  }
   LS_DISPATCH(dt, {
     auto launch = [&]<int V>() {
       const int vectors = dim / V, threads = vectors < 256 ? (vectors + 31) / 32 * 32 : 256;
