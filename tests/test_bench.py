@@ -79,3 +79,16 @@ def test_several_gpus_keep_one_batch_iterator_that_reshuffles_its_groups_every_e
                              shard_id=0, grouped_shuffling=True)
     orders = [[b[0] for b in itr.ordered_batches(epoch, fix_batches_to_gpus=False, shuffle=True)] for epoch in (2, 3)]
     assert orders[0] != orders[1] and all(i % 2 == 0 for order in orders for i in order)
+
+
+def test_table_gives_scaling_to_a_tenth_of_a_percent_and_kernel_launches_beside_all_gpu_activities():
+    common = dict(arch="big", max_tokens=8192, ups=30.0, step_ms=30.0, mfu=0.3, kernels_per_step=649.0,
+                  kernel_launches_per_step=550.0)
+    results = [dict(common, system="ls-fp16-graphs", gpus=1, wps=247393.0),
+               dict(common, system="ls-fp16-graphs", gpus=2, wps=443316.0)]
+    rows = [line.split(" | ") for line in bench.table(results).splitlines()]
+    header = rows[0]
+    assert len(header) == len(rows[2]) == len(rows[3])  # rows[1]: the separator
+    two = dict(zip(header, rows[3]))
+    assert two["scaling"] == "89.6%"  # not rounded up to the 90% it misses
+    assert two["kernels/step"] == "649" and two["kernel launches/step"] == "550"

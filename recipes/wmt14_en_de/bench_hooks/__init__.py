@@ -2,10 +2,11 @@
 
 - peak GPU memory over the whole run: fairseq resets the peak statistics every
   step, so the peak is read just before each reset and the maximum is kept;
-- kernel launches per training step: torch.profiler over a few steps of the
-  last epoch, in steady state (counting kernels inside replayed CUDA graphs
-  too); the profiled update numbers are recorded so that the benchmark leaves
-  their log intervals out of its wps;
+- GPU activities per training step (kernels, memsets, copies; ``kernels_per_step``)
+  and of them kernel launches: torch.profiler over a few steps of the last
+  epoch, in steady state (counting kernels inside replayed CUDA graphs too);
+  the profiled update numbers are recorded so that the benchmark leaves their
+  log intervals out of its wps;
 - GPU time per step, from the same profile, and host synchronisations per step
   (torch's sync debug mode over the same steps: each time the host waited for
   the GPU inside the step), with the Python call chain that made each;
@@ -95,6 +96,9 @@ def _profiled_train_step(self, samples, raise_oom=False):
         kernels = [e for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
         _stats["kernels_per_step"] = len(kernels) / PROFILE_STEPS
+        # of them kernel launches: not the memsets (cuBLAS zeroes its GEMMs' workspace) and copies
+        launches = [e for e in kernels if not e.name.startswith(("Memset", "Memcpy"))]
+        _stats["kernel_launches_per_step"] = len(launches) / PROFILE_STEPS
         _stats["gpu_ms_per_step"] = sum(e.device_time_total for e in kernels) / PROFILE_STEPS / 1000.0
         path = _out_path(".profile.txt")
         if path:
