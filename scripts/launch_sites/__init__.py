@@ -50,7 +50,8 @@ def _profiled_train_step(self, samples, raise_oom=False):
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), with_stack=True) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, with_stack=True) as prof:
         out = _train_step(self, samples, raise_oom)
         if cuda:
             torch.cuda.synchronize()
