@@ -73,6 +73,7 @@ def test_kernel_matches_reference(dtype, rows, hidden):
     y, mean, rstd = ext.layer_norm_forward(x, w, b, 1e-5)
     poison()
     dx, dw, db = ext.layer_norm_backward(dy, x, w, mean, rstd, None, None)
+    assert torch.equal(dw, ext.layer_norm_backward(dy, x, w, mean, rstd, None, None)[1]), "dgamma must be deterministic"
     x64, w64, b64, dy64 = (t.double() for t in (x, w, b, dy))
     y64, mean64, rstd64 = layer_norm_forward_reference(x64, w64, b64, 1e-5)
     dx64, dw64, db64 = layer_norm_backward_reference(dy64, x64, w64, mean64, rstd64)

@@ -17,8 +17,9 @@
 // written once (backward needs it) and never read back; its backward is LayerNorm's
 // then bias_dropout_residual's.
 // For rows of 1 to 4 x 32 vectors of 16 bytes (hidden 256 .. 1024 in fp16/bf16) one
-// kernel does dx and the chunks' column sums from one read of dy and x, a warp per
-// row with the next row's loads in flight during this row's reduction; other rows
+// kernel does dx and the chunks' column sums from one read of dy and x, a warp (or a
+// pair of warps, each with half the row) per row with the next row's loads in flight
+// during this row's reduction; other rows
 // take a dx kernel and a column-sum kernel, which read dy and x once each.
 #include "common.cuh"
 #include "dropout_map.cuh"
@@ -219,48 +220,72 @@ struct LnParamMap {
   }
 };
 
-// One pass over a strip of rows: each warp takes rows warp, warp + kStripWarps, ... of the
-// strip, whole rows of ITEMS x 32 vectors in registers, and loads its next row's dy and x
-// before this row's reduction (two rows in flight a warp); dx is stored at once, dy * xhat
-// and dy are added to the lane's column sums, and the block folds its warps' sums in a fixed
-// order into the strip's partial sums (column_sum_finish_kernel adds the strips up).
-constexpr int kStripWarps = 4;
+// One pass over a strip of rows, kStripRows rows in flight a block: row group g takes rows
+// g, g + kStripRows, ... of the strip, and loads its next row's dy and x before this row's
+// reduction (two rows in flight a group); dx is stored at once, dy * xhat and dy are added
+// to the lane's column sums, and the block folds its warps' sums in a fixed order into the
+// strip's partial sums (column_sum_finish_kernel adds the strips up). A row group is one
+// warp holding whole rows (ITEMS x 32 vectors a lane), or, with SPLIT = 2 (ITEMS even), a
+// pair of warps each holding half the row: half the registers a thread (~120 against ~240
+// at hidden 1,024 in fp16), so twice the warps an SM in flight; the halves' row sums meet in
+// shared memory behind a barrier of the pair's 64 threads only, double-buffered by the
+// row's parity so that one barrier a row suffices (a half cannot overwrite a slot its
+// partner still reads: it passed the barrier of the row in between), added in the same
+// order by both halves.
+constexpr int kStripRows = 4;
 
-template <typename T, int ITEMS>
-__global__ void __launch_bounds__(32 * kStripWarps)
+// Barrier 1 + group (0 is __syncthreads'), its id an immediate so that the kernel holds 1 +
+// kStripRows barriers, not all 16 an id in a register would reserve.
+template <int SPLIT>
+__device__ __forceinline__ void row_group_barrier(int group) {
+  static_assert(kStripRows == 4, "one barrier a row group");
+  switch (group) {
+    case 0: asm volatile("bar.sync 1, %0;" ::"n"(32 * SPLIT) : "memory"); break;
+    case 1: asm volatile("bar.sync 2, %0;" ::"n"(32 * SPLIT) : "memory"); break;
+    case 2: asm volatile("bar.sync 3, %0;" ::"n"(32 * SPLIT) : "memory"); break;
+    default: asm volatile("bar.sync 4, %0;" ::"n"(32 * SPLIT) : "memory"); break;
+  }
+}
+
+template <typename T, int ITEMS, int SPLIT>
+__global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
     ln_backward_strip_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
                              const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
                              float* __restrict__ partial, int64_t rows, int hidden, int strip) {
-  constexpr int V = kVec<T>, C = ITEMS * 32 * V;
-  __shared__ float fold[kStripWarps][2][C];  // [warp][dgamma, dbeta][(item, element, lane)]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  static_assert(ITEMS % SPLIT == 0, "a row splits into whole lane vectors");
+  constexpr int V = kVec<T>, W = ITEMS / SPLIT, C = W * 32 * V;  // a warp's vectors a lane, its columns
+  constexpr int kWarps = kStripRows * SPLIT;
+  __shared__ float fold[kWarps][2][C];  // [warp][dgamma, dbeta][(item, element, lane)]
+  __shared__ float halves[kStripRows][2][SPLIT][2];  // [group][row parity][half][sum g, sum g xhat]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, group = warp / SPLIT, half = warp % SPLIT;
   const int64_t r0 = int64_t(blockIdx.x) * strip, r1 = r0 + strip < rows ? r0 + strip : rows;
-  float acc[ITEMS][2][V] = {};
-  Pack<T, V> next_dy[ITEMS], next_x[ITEMS];
+  const T* const g0 = gamma + half * C;
+  float acc[W][2][V] = {};
+  Pack<T, V> next_dy[W], next_x[W];
   auto fetch = [&](int64_t row) {
 #pragma unroll
-    for (int it = 0; it < ITEMS; ++it) {
-      const int c = (it * 32 + lane) * V;
-      next_dy[it] = *reinterpret_cast<const Pack<T, V>*>(dy + row * hidden + c);
-      next_x[it] = *reinterpret_cast<const Pack<T, V>*>(x + row * hidden + c);
+    for (int it = 0; it < W; ++it) {
+      const int64_t c = row * hidden + half * C + (it * 32 + lane) * V;
+      next_dy[it] = *reinterpret_cast<const Pack<T, V>*>(dy + c);
+      next_x[it] = *reinterpret_cast<const Pack<T, V>*>(x + c);
     }
   };
-  int64_t r = r0 + warp;
+  int64_t r = r0 + group;
   if (r < r1) fetch(r);
-  for (; r < r1; r += kStripWarps) {
-    Pack<T, V> cur_dy[ITEMS], cur_x[ITEMS];
+  for (int parity = 0; r < r1; r += kStripRows, parity ^= 1) {
+    Pack<T, V> cur_dy[W], cur_x[W];
 #pragma unroll
-    for (int it = 0; it < ITEMS; ++it) {
+    for (int it = 0; it < W; ++it) {
       cur_dy[it] = next_dy[it];
       cur_x[it] = next_x[it];
     }
-    if (r + kStripWarps < r1) fetch(r + kStripWarps);
+    if (r + kStripRows < r1) fetch(r + kStripRows);
     const float mu = mean[r], rs = rstd[r];
-    float d[ITEMS][V], xh[ITEMS][V], sg = 0.f, sgx = 0.f;
+    float d[W][V], xh[W][V], sg = 0.f, sgx = 0.f;
 #pragma unroll
-    for (int it = 0; it < ITEMS; ++it) {
+    for (int it = 0; it < W; ++it) {
       float gm[V];
-      load<T, V>(gamma + (it * 32 + lane) * V, gm);
+      load<T, V>(g0 + (it * 32 + lane) * V, gm);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         d[it][i] = to_f(cur_dy[it].v[i]);
@@ -272,37 +297,50 @@ __global__ void __launch_bounds__(32 * kStripWarps)
     }
     sg = warp_sum(sg);
     sgx = warp_sum(sgx);
+    if constexpr (SPLIT > 1) {
+      if (lane == 0) {
+        halves[group][parity][half][0] = sg;
+        halves[group][parity][half][1] = sgx;
+      }
+      row_group_barrier<SPLIT>(group);
+      sg = sgx = 0.f;
+#pragma unroll
+      for (int h = 0; h < SPLIT; ++h) {
+        sg += halves[group][parity][h][0];
+        sgx += halves[group][parity][h][1];
+      }
+    }
     const float mg = sg / hidden, mgx = sgx / hidden;
 #pragma unroll
-    for (int it = 0; it < ITEMS; ++it) {
+    for (int it = 0; it < W; ++it) {
       const int c = (it * 32 + lane) * V;
       float gm[V], o[V];
-      load<T, V>(gamma + c, gm);
+      load<T, V>(g0 + c, gm);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         o[i] = rs * (d[it][i] * gm[i] - mg - xh[it][i] * mgx);
         acc[it][0][i] += d[it][i] * xh[it][i];
         acc[it][1][i] += d[it][i];
       }
-      store<T, V>(dx + r * hidden + c, o);
+      store<T, V>(dx + r * hidden + half * C + c, o);
     }
   }
   // lane-fastest layout: conflict-free stores and loads
 #pragma unroll
-  for (int it = 0; it < ITEMS; ++it)
+  for (int it = 0; it < W; ++it)
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       fold[warp][0][(it * V + i) * 32 + lane] = acc[it][0][i];
       fold[warp][1][(it * V + i) * 32 + lane] = acc[it][1][i];
     }
   __syncthreads();
-  for (int j = threadIdx.x; j < 2 * C; j += 32 * kStripWarps) {
-    const int k = j / C, e = j % C;
+  for (int j = threadIdx.x; j < 2 * SPLIT * C; j += 32 * kWarps) {
+    const int k = j / (SPLIT * C), h = (j / C) % SPLIT, e = j % C;  // e: (item, element, lane) in half h
     float s = 0.f;
 #pragma unroll
-    for (int w = 0; w < kStripWarps; ++w) s += fold[w][k][e];
+    for (int g = 0; g < kStripRows; ++g) s += fold[g * SPLIT + h][k][e];
     const int it = e / (32 * V), i = (e / 32) % V, l = e % 32;
-    partial[(int64_t(k) * gridDim.x + blockIdx.x) * hidden + (it * 32 + l) * V + i] = s;
+    partial[(int64_t(k) * gridDim.x + blockIdx.x) * hidden + h * C + (it * 32 + l) * V + i] = s;
   }
 }
 
@@ -362,15 +400,15 @@ void ln_backward_strips(const T* dy, const T* x, const T* gamma, const float* me
   // strips of rows, at most column_chunks(rows) of them: the partial's size
   const int chunks = column_chunks(rows);
   const int strip = int((rows + chunks - 1) / chunks), blocks = int((rows + strip - 1) / strip);
-  auto launch = [&]<int ITEMS>() {
-    ln_backward_strip_kernel<T, ITEMS><<<blocks, 32 * kStripWarps, 0, stream>>>(dy, x, gamma, mean, rstd, dx, partial,
-                                                                                rows, hidden, strip);
+  auto launch = [&]<int ITEMS, int SPLIT>() {
+    ln_backward_strip_kernel<T, ITEMS, SPLIT><<<blocks, 32 * kStripRows * SPLIT, 0, stream>>>(
+        dy, x, gamma, mean, rstd, dx, partial, rows, hidden, strip);
   };
-  switch (hidden / (32 * kVec<T>)) {
-    case 1: launch.template operator()<1>(); break;
-    case 2: launch.template operator()<2>(); break;
-    case 3: launch.template operator()<3>(); break;
-    default: launch.template operator()<4>(); break;
+  switch (hidden / (32 * kVec<T>)) {  // a row in two halves when it splits into whole lane vectors
+    case 1: launch.template operator()<1, 1>(); break;
+    case 2: launch.template operator()<2, 2>(); break;
+    case 3: launch.template operator()<3, 1>(); break;
+    default: launch.template operator()<4, 2>(); break;
   }
   column_sum_finish_kernel<T, 2><<<dim3(ceil_div(hidden, 32), 2), dim3(32, kFinishLanes), 0, stream>>>(
       partial, blocks, hidden, GradOuts<2>{{dgamma, dbeta}});
