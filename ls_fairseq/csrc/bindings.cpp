@@ -139,12 +139,10 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_forward(const Tensor& x, const Ten
   return {y, mean, rstd};
 }
 
-std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
-                                                       const Tensor& mean, const Tensor& rstd,
-                                                       const std::optional<Tensor>& dweight_into,
-                                                       const std::optional<Tensor>& dbias_into) {
+// LayerNorm backward's inputs: dy like x, weight [hidden], mean and rstd float32, one a row; returns the rows.
+int64_t check_layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                  const Tensor& rstd, int hidden) {
   check(x, "x");
-  const int hidden = hidden_of(x, "x");
   check_like(dy, x, "dy", "x");
   check_shape(dy, x.sizes(), "dy");
   check_like(weight, x, "weight", "x");
@@ -155,6 +153,15 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const T
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == rows, "mean/rstd must be float32 with ", rows,
                 " elements");
   }
+  return rows;
+}
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                                       const Tensor& mean, const Tensor& rstd,
+                                                       const std::optional<Tensor>& dweight_into,
+                                                       const std::optional<Tensor>& dbias_into) {
+  const int hidden = hidden_of(x, "x");
+  const int64_t rows = check_layer_norm_backward(dy, x, weight, mean, rstd, hidden);
   const c10::cuda::CUDAGuard guard(x.device());
   auto dx = torch::empty_like(x);
   auto [dweight, dweight_out] = grad_out(dweight_into, x, {hidden}, "dweight_into");
@@ -240,8 +247,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_residual_layer_n
     const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
     const std::optional<Tensor>& mask, double p, const std::optional<Tensor>& dweight_into,
     const std::optional<Tensor>& dln_bias_into, const std::optional<Tensor>& dbias_into) {
-  auto [dx, dweight, dln_bias] = layer_norm_backward(dy, x, weight, mean, rstd, dweight_into, dln_bias_into);
-  auto [dh, dbias] = bias_dropout_residual_backward(dx, mask, p, dbias_into);
+  const int hidden = hidden_of(x, "x");
+  const int64_t rows = check_layer_norm_backward(dy, x, weight, mean, rstd, hidden);
+  check_mask(mask, x, "mask");
+  check_probability(p, "bias_dropout_residual_layer_norm");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto dx = torch::empty_like(x);
+  auto dh = torch::empty_like(x);
+  auto [dweight, dweight_out] = grad_out(dweight_into, x, {hidden}, "dweight_into");
+  auto [dln_bias, dln_bias_out] = grad_out(dln_bias_into, x, {hidden}, "dln_bias_into");
+  auto [dbias, dbias_out] = grad_out(dbias_into, x, {hidden}, "dbias_into");
+  auto partial = column_sum_partial(3, rows, hidden, hidden, x, "bias_dropout_residual_layer_norm");
+  ls::bias_dropout_residual_layer_norm_backward(dtype_of(x, "x"), dy.data_ptr(), x.data_ptr(), weight.data_ptr(),
+                                                mean.data_ptr<float>(), rstd.data_ptr<float>(), mask_ptr(mask),
+                                                float(p), dx.data_ptr(), dh.data_ptr(), dweight_out, dln_bias_out,
+                                                dbias_out, partial.data_ptr<float>(), rows, hidden, stream());
+  CHECK_CUDA_OK();
   return {dh, dbias, dx, dweight, dln_bias};
 }
 

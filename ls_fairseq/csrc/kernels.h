@@ -47,6 +47,12 @@ void bias_dropout_residual_layer_norm_forward(DType dt, const void* h, const voi
                                               const void* gamma, const void* beta, void* x, void* y, uint8_t* mask,
                                               float* mean, float* rstd, int64_t rows, int hidden, float eps, float p,
                                               RngState rng, cudaStream_t stream);
+// its backward: LayerNorm's (dx, also the residual's gradient; dgamma, dbeta), then
+// bias_dropout_residual's (dh = dx * mask / (1 - p), dbias); partial: 3 x column_chunks(rows) x hidden
+void bias_dropout_residual_layer_norm_backward(DType dt, const void* dy, const void* x, const void* gamma,
+                                               const float* mean, const float* rstd, const uint8_t* mask, float p,
+                                               void* dx, void* dh, GradOut dgamma, GradOut dbeta, GradOut dbias,
+                                               float* partial, int64_t rows, int hidden, cudaStream_t stream);
 
 // bias_dropout_residual.cu
 void bias_dropout_residual_forward(DType dt, const void* x, const void* bias, const void* residual, void* out,

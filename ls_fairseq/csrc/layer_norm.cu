@@ -15,7 +15,7 @@
 // row's values made in the kernel, x = residual + dropout(h + bias) (LightSeq2's
 // bias+dropout+residual fusion, here also fused with the LayerNorm after it): x is
 // written once (backward needs it) and never read back; its backward is LayerNorm's
-// then bias_dropout_residual's.
+// then bias_dropout_residual's, in the same kernel where LayerNorm's takes the strips below.
 // For rows of 1 to 4 x 32 vectors of 16 bytes (hidden 256 .. 1024 in fp16/bf16) one
 // kernel does dx and the chunks' column sums from one read of dy and x, a warp (or a
 // pair of warps, each with half the row) per row with the next row's loads in flight
@@ -232,7 +232,19 @@ struct LnParamMap {
 // row's parity so that one barrier a row suffices (a half cannot overwrite a slot its
 // partner still reads: it passed the barrier of the row in between), added in the same
 // order by both halves.
+// With a BdrTail (post-LN's block end, bias_dropout_residual_layer_norm) the kernel also does
+// bias_dropout_residual's backward on each row's dx while it holds it: dh = dx * keep / (1 - p)
+// (from dx rounded to T, as the two ops in a row compute it) is stored, and its column sums
+// (the bias's gradient) join gamma's and beta's: one kernel and one read of dx less than
+// LayerNorm's backward followed by bias_dropout_residual's.
 constexpr int kStripRows = 4;
+
+template <typename T>
+struct BdrTail {
+  const uint8_t* mask;  // the keep-mask, nullptr when p = 0
+  T* dh;
+  float scale;  // 1 / (1 - p)
+};
 
 // Barrier 1 + group (0 is __syncthreads'), its id an immediate so that the kernel holds 1 +
 // kStripRows barriers, not all 16 an id in a register would reserve.
@@ -247,20 +259,20 @@ __device__ __forceinline__ void row_group_barrier(int group) {
   }
 }
 
-template <typename T, int ITEMS, int SPLIT>
+template <typename T, int ITEMS, int SPLIT, bool BDR>
 __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
     ln_backward_strip_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
                              const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
-                             float* __restrict__ partial, int64_t rows, int hidden, int strip) {
+                             BdrTail<T> tail, float* __restrict__ partial, int64_t rows, int hidden, int strip) {
   static_assert(ITEMS % SPLIT == 0, "a row splits into whole lane vectors");
   constexpr int V = kVec<T>, W = ITEMS / SPLIT, C = W * 32 * V;  // a warp's vectors a lane, its columns
-  constexpr int kWarps = kStripRows * SPLIT;
-  __shared__ float fold[kWarps][2][C];  // [warp][dgamma, dbeta][(item, element, lane)]
+  constexpr int kWarps = kStripRows * SPLIT, K = BDR ? 3 : 2;     // K sums: dgamma, dbeta (, dbias)
+  __shared__ float fold[kWarps][C];  // one sum at a time: [warp][(item, element, lane)]
   __shared__ float halves[kStripRows][2][SPLIT][2];  // [group][row parity][half][sum g, sum g xhat]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, group = warp / SPLIT, half = warp % SPLIT;
   const int64_t r0 = int64_t(blockIdx.x) * strip, r1 = r0 + strip < rows ? r0 + strip : rows;
   const T* const g0 = gamma + half * C;
-  float acc[W][2][V] = {};
+  float acc[W][K][V] = {};
   Pack<T, V> next_dy[W], next_x[W];
   auto fetch = [&](int64_t row) {
 #pragma unroll
@@ -322,25 +334,38 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
         acc[it][0][i] += d[it][i] * xh[it][i];
         acc[it][1][i] += d[it][i];
       }
-      store<T, V>(dx + r * hidden + half * C + c, o);
+      const int64_t e = r * hidden + half * C + c;
+      store<T, V>(dx + e, o);
+      if constexpr (BDR) {
+        bool keep[V];
+        if (tail.mask) load_mask<V>(tail.mask + e, keep);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          o[i] = (!tail.mask || keep[i]) ? to_f(from_f<T>(o[i])) * tail.scale : 0.f;
+          acc[it][2][i] += o[i];
+        }
+        store<T, V>(tail.dh + e, o);
+      }
     }
   }
-  // lane-fastest layout: conflict-free stores and loads
+  // the block's sums into the strip's partial sums, one sum at a time through shared memory in a
+  // lane-fastest layout (conflict-free stores and loads), the row groups added in a fixed order
 #pragma unroll
-  for (int it = 0; it < W; ++it)
+  for (int k = 0; k < K; ++k) {
+    if (k > 0) __syncthreads();  // the previous sum's reads are done
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      fold[warp][0][(it * V + i) * 32 + lane] = acc[it][0][i];
-      fold[warp][1][(it * V + i) * 32 + lane] = acc[it][1][i];
+    for (int it = 0; it < W; ++it)
+#pragma unroll
+      for (int i = 0; i < V; ++i) fold[warp][(it * V + i) * 32 + lane] = acc[it][k][i];
+    __syncthreads();
+    for (int j = threadIdx.x; j < SPLIT * C; j += 32 * kWarps) {
+      const int h = j / C, e = j % C;  // e: (item, element, lane) in half h
+      float s = 0.f;
+#pragma unroll
+      for (int g = 0; g < kStripRows; ++g) s += fold[g * SPLIT + h][e];
+      const int it = e / (32 * V), i = (e / 32) % V, l = e % 32;
+      partial[(int64_t(k) * gridDim.x + blockIdx.x) * hidden + h * C + (it * 32 + l) * V + i] = s;
     }
-  __syncthreads();
-  for (int j = threadIdx.x; j < 2 * SPLIT * C; j += 32 * kWarps) {
-    const int k = j / (SPLIT * C), h = (j / C) % SPLIT, e = j % C;  // e: (item, element, lane) in half h
-    float s = 0.f;
-#pragma unroll
-    for (int g = 0; g < kStripRows; ++g) s += fold[g * SPLIT + h][k][e];
-    const int it = e / (32 * V), i = (e / 32) % V, l = e % 32;
-    partial[(int64_t(k) * gridDim.x + blockIdx.x) * hidden + h * C + (it * 32 + l) * V + i] = s;
   }
 }
 
@@ -393,16 +418,26 @@ void bias_dropout_residual_layer_norm_forward(DType dt, const void* h, const voi
   })
 }
 
-// dx and the strips' column sums in one kernel (ITEMS = hidden / (32 x V), 1 to 4), then the strips added up.
+// Whether rows of `hidden` take the strip kernel: 1 to 4 x 32 vectors of 16 bytes (hidden 256 ..
+// 1,024 in fp16/bf16), with 16-byte accesses (vec).
 template <typename T>
+bool strips_fit(int hidden, int64_t rows, bool vec) {
+  const int row = 32 * kVec<T>;  // one 16-byte vector a lane
+  return vec && rows > 0 && hidden % row == 0 && hidden >= row && hidden <= 4 * row;
+}
+
+// dx (with BDR also dh) and the strips' K column sums in one kernel (ITEMS = hidden / (32 x V),
+// 1 to 4), then the strips added up.
+template <typename T, bool BDR, int K = BDR ? 3 : 2>
 void ln_backward_strips(const T* dy, const T* x, const T* gamma, const float* mean, const float* rstd, T* dx,
-                        GradOut dgamma, GradOut dbeta, float* partial, int64_t rows, int hidden, cudaStream_t stream) {
+                        BdrTail<T> tail, const GradOuts<K>& out, float* partial, int64_t rows, int hidden,
+                        cudaStream_t stream) {
   // strips of rows, at most column_chunks(rows) of them: the partial's size
   const int chunks = column_chunks(rows);
   const int strip = int((rows + chunks - 1) / chunks), blocks = int((rows + strip - 1) / strip);
   auto launch = [&]<int ITEMS, int SPLIT>() {
-    ln_backward_strip_kernel<T, ITEMS, SPLIT><<<blocks, 32 * kStripRows * SPLIT, 0, stream>>>(
-        dy, x, gamma, mean, rstd, dx, partial, rows, hidden, strip);
+    ln_backward_strip_kernel<T, ITEMS, SPLIT, BDR><<<blocks, 32 * kStripRows * SPLIT, 0, stream>>>(
+        dy, x, gamma, mean, rstd, dx, tail, partial, rows, hidden, strip);
   };
   switch (hidden / (32 * kVec<T>)) {  // a row in two halves when it splits into whole lane vectors
     case 1: launch.template operator()<1, 1>(); break;
@@ -410,8 +445,8 @@ void ln_backward_strips(const T* dy, const T* x, const T* gamma, const float* me
     case 3: launch.template operator()<3, 1>(); break;
     default: launch.template operator()<4, 2>(); break;
   }
-  column_sum_finish_kernel<T, 2><<<dim3(ceil_div(hidden, 32), 2), dim3(32, kFinishLanes), 0, stream>>>(
-      partial, blocks, hidden, GradOuts<2>{{dgamma, dbeta}});
+  column_sum_finish_kernel<T, K><<<dim3(ceil_div(hidden, 32), K), dim3(32, kFinishLanes), 0, stream>>>(
+      partial, blocks, hidden, out);
 }
 
 void layer_norm_backward(DType dt, const void* dy, const void* x, const void* gamma, const float* mean,
@@ -419,10 +454,9 @@ void layer_norm_backward(DType dt, const void* dy, const void* x, const void* ga
                          int hidden, cudaStream_t stream) {
   LS_DISPATCH(dt, {
     const bool vec = hidden % kVec<T> == 0 && aligned16(dy) && aligned16(x) && aligned16(gamma) && aligned16(dx);
-    const int row = 32 * kVec<T>;  // one 16-byte vector a lane
-    if (vec && rows > 0 && hidden % row == 0 && hidden >= row && hidden <= 4 * row) {
-      ln_backward_strips<T>((const T*)dy, (const T*)x, (const T*)gamma, mean, rstd, (T*)dx, dgamma, dbeta, partial,
-                            rows, hidden, stream);
+    if (strips_fit<T>(hidden, rows, vec)) {
+      ln_backward_strips<T, false>((const T*)dy, (const T*)x, (const T*)gamma, mean, rstd, (T*)dx, BdrTail<T>{},
+                                   GradOuts<2>{{dgamma, dbeta}}, partial, rows, hidden, stream);
     } else {
       if (rows > 0) {
         auto launch = [&]<int V, int ITEMS, bool WARP>(int grid, int block) {
@@ -438,6 +472,27 @@ void layer_norm_backward(DType dt, const void* dy, const void* x, const void* ga
                            GradOuts<2>{{dgamma, dbeta}}, partial, rows, hidden, stream);
     }
   })
+}
+
+void bias_dropout_residual_layer_norm_backward(DType dt, const void* dy, const void* x, const void* gamma,
+                                               const float* mean, const float* rstd, const uint8_t* mask, float p,
+                                               void* dx, void* dh, GradOut dgamma, GradOut dbeta, GradOut dbias,
+                                               float* partial, int64_t rows, int hidden, cudaStream_t stream) {
+  bool fused = false;
+  LS_DISPATCH(dt, {
+    const bool vec = hidden % kVec<T> == 0 && aligned16(dy) && aligned16(x) && aligned16(gamma) && aligned16(dx) &&
+                     aligned16(dh);
+    if (strips_fit<T>(hidden, rows, vec)) {
+      const BdrTail<T> tail{mask, (T*)dh, p > 0.f ? 1.f / (1.f - p) : 1.f};
+      ln_backward_strips<T, true>((const T*)dy, (const T*)x, (const T*)gamma, mean, rstd, (T*)dx, tail,
+                                  GradOuts<3>{{dgamma, dbeta, dbias}}, partial, rows, hidden, stream);
+      fused = true;
+    }
+  })
+  if (fused) return;
+  layer_norm_backward(dt, dy, x, gamma, mean, rstd, dx, dgamma, dbeta, partial, rows, hidden, stream);
+  bias_dropout_residual_backward(dt, dx, mask, dh, dbias, partial + int64_t(2) * column_chunks(rows) * hidden, rows,
+                                 hidden, p, stream);
 }
 
 }  // namespace ls
