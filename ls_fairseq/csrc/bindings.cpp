@@ -330,7 +330,9 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> softmax_forward(const Tensor& 
   if (key_padding_mask) {
     check(*key_padding_mask, "key_padding_mask");
     check_shape(*key_padding_mask, {B, Tk}, "key_padding_mask");
-    kpm = key_padding_mask->to(at::kByte);
+    // fairseq's bool masks are read as bytes in place (the conversion was a copy per layer and call)
+    kpm = key_padding_mask->scalar_type() == at::kBool ? key_padding_mask->view(at::kByte)
+                                                       : key_padding_mask->to(at::kByte);
   }
   check_probability(p, "softmax");
   check_mask(given, scores, "mask");
