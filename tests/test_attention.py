@@ -21,8 +21,11 @@ def test_attention_matches_sdpa_in_fp64():
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=~kpm[:, None, None, :], scale=1.0)
     assert_close(out, ref, what="attention")
     dout = torch.randn_like(out)
-    for g, r in zip(grads(out, (q, k, v), dout), grads(ref, (q, k, v), dout)):
+    got = grads(out, (q, k, v), dout)
+    for g, r in zip(got, grads(ref, (q, k, v), dout)):
         assert_close(g, r, rtol=1e-9, atol=1e-9)
+    # the keys' gradient in rows of d_head, as the qkv op's backward takes it without a copy
+    assert got[1].stride(-1) == 1
 
 
 def test_causal_attention_matches_sdpa():

@@ -83,8 +83,26 @@ class AttentionMask:
         return mask, False
 
 
+class ScoresFunction(torch.autograd.Function):
+    """q k^T over [B, heads, T, d_head]. Backward gives dk = dS^T q as [B, heads, Tk, d_head] rows
+    (a batched GEMM's own output), where matmul's autograd gives the transpose of q^T dS, whose
+    d_head is strided: the qkv op's backward would copy it (a kernel per cross-attention layer)."""
+
+    @staticmethod
+    def forward(ctx, q, k):
+        ctx.save_for_backward(q, k)
+        return torch.matmul(q, k.transpose(-1, -2))
+
+    @staticmethod
+    def backward(ctx, ds):
+        q, k = ctx.saved_tensors
+        dq = torch.matmul(ds, k) if ctx.needs_input_grad[0] else None
+        dk = torch.matmul(ds.transpose(-1, -2), q) if ctx.needs_input_grad[1] else None
+        return dq, dk
+
+
 def attention_reference(q, k, v, mask=None, p=0.0, training=True, dropout_mask=None):
-    scores = torch.matmul(q, k.transpose(-1, -2))
+    scores = ScoresFunction.apply(q, k)
     kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
     probs = softmax(scores, kpm, causal, p, training, dropout_mask)
     return torch.matmul(probs, v)
