@@ -6,11 +6,14 @@ transformer-big at 8,192 tokens: docs/perf-log.md), so the GPU idles. A captured
 graph launches the same kernels from one call. ``ls-fairseq-train
 --ls-cuda-graphs`` wraps the task's ``train_step`` in ``GraphedTrainStep``:
 
-- the first batch of a shape (every tensor of ``net_input`` and ``target``) runs
-  eagerly on the stream the graphs are captured on, which warms up what the
-  capture needs (cuBLAS and cuDNN workspaces, which the libraries keep per
-  stream, plans, lazily loaded kernels); the second is captured and replayed,
-  later ones replayed. With ``--required-seq-len-multiple 8`` (or more) most
+- the run's first batch runs eagerly on the stream the graphs are captured on,
+  which warms up what every capture needs (the per-stream workspaces and handles
+  of cuBLAS and cuDNN); after it, a batch shape (every tensor of ``net_input`` and
+  ``target``) is captured the first time it comes and replayed from then on.
+  What only a new shape needs (kernels not yet loaded, GEMM heuristics) is done
+  during its capture: CUDA loads kernels inside a capture since 12.3, so no
+  eager step per shape (one more host-bound step each, ~50 of them in a first
+  epoch of the benchmark). With ``--required-seq-len-multiple 8`` (or more) most
   batches share a few shapes.
 - The graph holds the criterion's ``losses`` (forward and loss) and the
   optimizer's ``backward``: gradients are accumulated into the gradient
@@ -93,7 +96,7 @@ class GraphedTrainStep:
         self.train_step = train_step
         self.max_graphs = max_graphs
         self.graphs = {}
-        self.seen = set()
+        self.warmed = False
         self.pool = None
         self.stream = None
 
@@ -104,9 +107,9 @@ class GraphedTrainStep:
             self.stream = torch.cuda.Stream()
         if ignore_grad or (graph is None and len(self.graphs) >= self.max_graphs):
             return self.train_step(sample, model, criterion, optimizer, update_num, ignore_grad=ignore_grad)
-        if graph is None and key not in self.seen:
-            self.seen.add(key)
-            with _on(self.stream):  # the warm-up for this shape's capture
+        if not self.warmed:
+            self.warmed = True
+            with _on(self.stream):  # the warm-up for every capture
                 return self.train_step(sample, model, criterion, optimizer, update_num)
         model.train()
         model.set_num_updates(update_num)

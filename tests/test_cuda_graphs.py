@@ -95,20 +95,23 @@ def graphed(monkeypatch):
     return GraphedTrainStep(train_step, max_graphs=2), eager
 
 
-def test_first_batch_of_a_shape_eager_second_captured_then_replayed(graphed):
+def test_the_first_batch_eager_then_each_shape_captured_at_first_sight_and_replayed(graphed):
     step, eager = graphed
     model, criterion, optimizer = Model(), Criterion(), Optimizer()
     default = torch.cuda.current_stream()
     _, _, log = step(sample(2, 3, 1), model, criterion, optimizer, 0)
     assert eager == [7] and FakeGraph.captured == 0
-    # the shape's warm-up ran on the stream its capture will use, and the caller's stream is back
+    # the run's warm-up ran on the stream the captures will use, and the caller's stream is back
     assert log["stream"] is step.stream and log["stream"] is not default and torch.cuda.current_stream() is default
     loss, size, log = step(sample(2, 3, 2), model, criterion, optimizer, 1)
     assert FakeGraph.captured == 1 and optimizer.backwards == 1 and model.updates == 1
     assert size == 8 and log["ntokens"] == 8 and "eager" not in log
-    loss, size, log = step(sample(2, 3, 5), model, criterion, optimizer, 2)
+    # a new shape: captured at once, no eager step of its own
+    step(sample(4, 3, 0), model, criterion, optimizer, 2)
+    assert FakeGraph.captured == 2 and eager == [7]
+    loss, size, log = step(sample(2, 3, 5), model, criterion, optimizer, 3)
     graph = step.graphs[cuda_graphs._shape_key(sample(2, 3, 0))]
-    assert FakeGraph.captured == 1 and graph.graph.replays == 2 and optimizer.backwards == 1
+    assert FakeGraph.captured == 2 and graph.graph.replays == 2 and optimizer.backwards == 2
     # the graph reads the latest batch from its fixed input tensors; host values come from that batch
     assert torch.equal(graph.sample["target"], sample(2, 3, 5)["target"]) and size == 11
     # a replay's losses are copies: fairseq's meters keep them while the next replay runs
@@ -121,11 +124,11 @@ def test_other_shapes_ignored_gradients_and_the_cap(graphed):
     for shape in ((2, 3), (2, 3), (4, 3), (4, 3), (2, 5), (2, 5)):
         step(sample(*shape, 0), *args, 0)
     assert len(step.graphs) == 2 and FakeGraph.captured == 2  # (2, 5) is past max_graphs: eager both times
-    assert len(eager) == 4
+    assert len(eager) == 3  # the run's first batch, and (2, 5) twice
     step(sample(2, 3, 0), *args, 0, ignore_grad=True)  # a dummy batch (loss x 0): eager
-    assert len(eager) == 5
+    assert len(eager) == 4
     assert all(g.graph.pool_given == (None if i == 0 else "pool") for i, g in enumerate(step.graphs.values()))
-    # every capture on the one stream the shapes' first batches warmed up, blind to other threads' CUDA calls
+    # every capture on the one stream the run's first batch warmed up, blind to other threads' CUDA calls
     assert all(g.graph.stream_given is step.stream for g in step.graphs.values()) and step.stream is not None
     assert all(g.graph.mode_given == "thread_local" for g in step.graphs.values())
 
