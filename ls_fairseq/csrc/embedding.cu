@@ -7,7 +7,7 @@
 // scale * dout[i] * mask / (1 - p), accumulated in fp32 without atomics, so the
 // result is deterministic: the ids are sorted beforehand (a stable radix sort of
 // 32-bit keys over only the bits the table needs, 15 for a 32k vocabulary: up to
-// 8,192 ids in one block's shared memory, one launch; more with cub's device-wide
+// 12,288 ids in one block's shared memory, one launch; more with cub's device-wide
 // sort), which lines up each id's tokens as a run of sorted positions. The
 // sorted positions are cut into chunks of kPieceRows; one warp sums the piece of
 // a run inside one chunk (four vectors of a lane in flight), so a frequent token's long run
@@ -169,29 +169,32 @@ __global__ void sort_input_kernel(const int64_t* __restrict__ ids, int* __restri
   }
 }
 
-// Up to kBlockSortKeys ids (8,192: a batch of up to 8,192 tokens) one block sorts them with their
-// positions in shared memory (cub's block radix sort, 4 bits a pass), in one launch: cub's
-// device-wide sort takes five (a memset, a histogram, a scan, two passes; ~23 us for 8,192
-// keys on an H200) and sort_input_kernel one more. Keys past n are the largest key the bits
-// hold, after every real id (a stable sort keeps them after an id of that value too).
-constexpr int kBlockSortThreads = 1024, kBlockSortItems = 8, kBlockSortKeys = kBlockSortThreads * kBlockSortItems;
+// Up to kBlockSortKeys ids (12,288: a batch of --max-tokens 8192 with its lengths padded to a
+// multiple of 8 holds up to ~10,000 ids) one block sorts them with their positions in shared
+// memory (cub's block radix sort, 4 bits a pass), in one launch: cub's device-wide sort takes
+// five (a memset, a histogram, a scan, two passes; ~23 us for 8,192 keys on an H200) and
+// sort_input_kernel one more. ITEMS keys a thread, 8 up to 8,192 ids, else 12 (64 registers, the
+// most at 1,024 threads, 48 bytes spilled; 48 KB of shared memory). Keys past n are the largest key
+// the bits hold, after every real id (a stable sort keeps them after an id of that value too).
+constexpr int kBlockSortThreads = 1024, kBlockSortKeys = kBlockSortThreads * 12;
 
+template <int ITEMS>
 __global__ void __launch_bounds__(kBlockSortThreads)
     sort_block_kernel(const int64_t* __restrict__ ids, int* __restrict__ keys_out, int* __restrict__ order_out,
                       int n, int bits) {
-  using Sort = cub::BlockRadixSort<int, kBlockSortThreads, kBlockSortItems, int>;
+  using Sort = cub::BlockRadixSort<int, kBlockSortThreads, ITEMS, int>;
   __shared__ typename Sort::TempStorage temp;
   const int last = int((1u << bits) - 1u);
-  int keys[kBlockSortItems], order[kBlockSortItems];
+  int keys[ITEMS], order[ITEMS];
 #pragma unroll
-  for (int i = 0; i < kBlockSortItems; ++i) {  // blocked: thread t holds positions 8t .. 8t + 7
-    const int e = threadIdx.x * kBlockSortItems + i;
+  for (int i = 0; i < ITEMS; ++i) {  // blocked: thread t holds positions ITEMS t .. ITEMS t + ITEMS - 1
+    const int e = threadIdx.x * ITEMS + i;
     keys[i] = e < n ? int(ids[e]) : last;
     order[i] = e;
   }
   Sort(temp).SortBlockedToStriped(keys, order, 0, bits);
 #pragma unroll
-  for (int i = 0; i < kBlockSortItems; ++i) {  // striped: rank i x 1024 + t, coalesced stores
+  for (int i = 0; i < ITEMS; ++i) {  // striped: rank i x 1024 + t, coalesced stores
     const int e = i * kBlockSortThreads + threadIdx.x;
     if (e < n) {
       keys_out[e] = keys[i];
@@ -260,8 +263,10 @@ void embedding_backward(DType dt, const void* dout, const uint8_t* mask, const i
                         cudaStream_t stream) {
   if (n == 0) return;
   BackwardBuffers bb(workspace, n, dim, sort_temp_bytes(n, rows));
-  if (n <= kBlockSortKeys) {
-    sort_block_kernel<<<1, kBlockSortThreads, 0, stream>>>(ids, bb.keys_out, bb.order_out, int(n), key_bits(rows));
+  if (n <= kBlockSortThreads * 8) {
+    sort_block_kernel<8><<<1, kBlockSortThreads, 0, stream>>>(ids, bb.keys_out, bb.order_out, int(n), key_bits(rows));
+  } else if (n <= kBlockSortKeys) {
+    sort_block_kernel<12><<<1, kBlockSortThreads, 0, stream>>>(ids, bb.keys_out, bb.order_out, int(n), key_bits(rows));
   } else {
     sort_input_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(ids, bb.keys_in, bb.order_in, n);
     cub::DeviceRadixSort::SortPairs(bb.temp, bb.temp_bytes, bb.keys_in, bb.keys_out, bb.order_in, bb.order_out, n,
