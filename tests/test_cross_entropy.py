@@ -69,6 +69,13 @@ def test_kernel_matches_reference(dtype, N, V):
     for o, ref, low, name in zip((loss, nll, lse), ref64, ref_l, ("loss", "nll", "lse")):
         assert rel_error(o, ref) < 1e-5, name  # fp32 outputs whatever the logits' dtype
     check_kernel(grad, g64, g_l, "dlogits")
+    # a sum's gradient (one value for every row: stride 0) read where it is, and no nll gradient (None):
+    # the same values as both given in full
+    one = torch.rand((), device="cuda")
+    summed = ext.cross_entropy_backward(one.expand(N), None, logits, target, lse, 0.1, PAD, None)
+    full = ext.cross_entropy_backward(one.expand(N).contiguous(), torch.zeros(N, device="cuda"), logits, target, lse,
+                                      0.1, PAD, None)
+    assert torch.equal(summed, full)
 
 
 def test_overwrite_logits_puts_the_gradient_in_their_place():
@@ -89,3 +96,12 @@ def test_overwrite_logits_puts_the_gradient_in_their_place():
         if overwrite:
             assert seen[0].data_ptr() == y.data_ptr()  # the gradient lives where the logits were
     assert_close(expected[1], expected[0], rtol=1e-12, atol=1e-12)
+
+
+def test_backward_without_an_nll_gradient_is_with_a_zero_one():
+    logits, target = torch.randn(6, 11, dtype=torch.float64), torch.tensor([1, PAD, 3, 4, 5, 6])
+    lse = torch.logsumexp(logits, -1)
+    dloss = torch.rand(()).expand(6)
+    none = cross_entropy_backward_reference(dloss, None, logits, target, lse, 0.1, PAD)
+    zero = cross_entropy_backward_reference(dloss, torch.zeros(6, dtype=torch.float64), logits, target, lse, 0.1, PAD)
+    assert torch.equal(none, zero)

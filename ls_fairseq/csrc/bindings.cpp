@@ -513,15 +513,25 @@ std::tuple<Tensor, Tensor, Tensor> cross_entropy_forward(const Tensor& logits, c
   return {loss, nll, lse};
 }
 
-// out: where the gradient goes (the logits themselves when the caller no longer needs them); none: a new tensor
-Tensor cross_entropy_backward(const Tensor& dloss, const Tensor& dnll, const Tensor& logits, const Tensor& target,
-                              const Tensor& lse, double epsilon, int64_t padding_idx, const std::optional<Tensor>& out) {
+// out: where the gradient goes (the logits themselves when the caller no longer needs them); none: a new tensor.
+// dloss: a float32 a row, or the gradient of their sum as autograd gives it (one value seen by every row: stride
+// 0), read as it is; dnll: none when the nll loss took no gradient
+Tensor cross_entropy_backward(const Tensor& dloss, const std::optional<Tensor>& dnll, const Tensor& logits,
+                              const Tensor& target, const Tensor& lse, double epsilon, int64_t padding_idx,
+                              const std::optional<Tensor>& out) {
   check(logits, "logits");
   check_ids(target, "target");
-  for (auto* t : {&dloss, &dnll, &lse}) {
-    check(*t, "dloss/dnll/lse");
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == logits.size(0), "dloss/dnll/lse must be float32 with ",
-                logits.size(0), " elements");
+  const int64_t n = logits.size(0);
+  TORCH_CHECK(dloss.is_cuda() && dloss.device() == logits.device(), "dloss must be on logits' device ",
+              logits.device());
+  TORCH_CHECK(dloss.scalar_type() == at::kFloat && dloss.dim() == 1 && dloss.numel() == n &&
+                  (n <= 1 || dloss.stride(0) == 0 || dloss.stride(0) == 1),
+              "dloss must be float32 with ", n, " elements, contiguous or one value for all, got ",
+              dloss.scalar_type(), " ", dloss.sizes(), " with strides ", dloss.strides());
+  for (const Tensor* t : {dnll ? &*dnll : nullptr, &lse}) {
+    if (!t) continue;
+    check(*t, "dnll/lse");
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == n, "dnll/lse must be float32 with ", n, " elements");
   }
   if (out) {
     check_like(*out, logits, "out", "logits");
@@ -529,8 +539,9 @@ Tensor cross_entropy_backward(const Tensor& dloss, const Tensor& dnll, const Ten
   }
   const c10::cuda::CUDAGuard guard(logits.device());
   auto grad = out ? *out : torch::empty_like(logits);
-  ls::cross_entropy_backward(dtype_of(logits, "logits"), dloss.data_ptr<float>(), dnll.data_ptr<float>(),
-                             logits.data_ptr(), target.data_ptr<int64_t>(), lse.data_ptr<float>(), grad.data_ptr(),
+  ls::cross_entropy_backward(dtype_of(logits, "logits"), dloss.data_ptr<float>(), n > 1 ? dloss.stride(0) : 1,
+                             dnll ? dnll->data_ptr<float>() : nullptr, logits.data_ptr(), target.data_ptr<int64_t>(),
+                             lse.data_ptr<float>(), grad.data_ptr(),
                              logits.size(0), int(logits.size(1)), float(epsilon), int(padding_idx), stream());
   CHECK_CUDA_OK();
   return grad;

@@ -83,15 +83,17 @@ __global__ void ce_forward_kernel(const T* __restrict__ logits, const int64_t* _
 }
 
 template <typename T, int V>
-// logits and dlogits may be the same buffer (each element is read once, then written once in its place)
-__global__ void ce_backward_kernel(const float* __restrict__ dloss, const float* __restrict__ dnll,
-                                   const T* logits, const int64_t* __restrict__ target,
-                                   const float* __restrict__ lse, T* dlogits, int vocab, float epsilon,
-                                   int padding_idx) {
+// logits and dlogits may be the same buffer (each element is read once, then written once in its place);
+// dloss: a row's at row * dloss_stride (0: one value for every row, the gradient of a sum); dnll: none
+// (nullptr) when the nll loss took no gradient
+__global__ void ce_backward_kernel(const float* __restrict__ dloss, int64_t dloss_stride,
+                                   const float* __restrict__ dnll, const T* logits,
+                                   const int64_t* __restrict__ target, const float* __restrict__ lse, T* dlogits,
+                                   int vocab, float epsilon, int padding_idx) {
   const int64_t row = blockIdx.x;
   const int64_t t = target[row];
   const bool live = t != padding_idx;
-  const float gl = live ? dloss[row] : 0.f, gn = live ? dnll[row] : 0.f, l = lse[row];
+  const float gl = live ? dloss[row * dloss_stride] : 0.f, gn = live && dnll ? dnll[row] : 0.f, l = lse[row];
   const float eps_i = epsilon / (vocab - 1), c = 1.f - epsilon - eps_i;
   const T* x = logits + row * vocab;
   T* dx = dlogits + row * vocab;
@@ -126,17 +128,17 @@ void cross_entropy_forward(DType dt, const void* logits, const int64_t* target, 
   })
 }
 
-void cross_entropy_backward(DType dt, const float* dloss, const float* dnll, const void* logits,
+void cross_entropy_backward(DType dt, const float* dloss, int64_t dloss_stride, const float* dnll, const void* logits,
                             const int64_t* target, const float* lse, void* dlogits, int64_t n, int vocab,
                             float epsilon, int padding_idx, cudaStream_t stream) {
   if (n == 0) return;
   LS_DISPATCH(dt, {
     if (rows_vectorizable<T>(logits, vocab) && aligned16(dlogits))
-      ce_backward_kernel<T, kVec<T>><<<n, 512, 0, stream>>>(dloss, dnll, (const T*)logits, target, lse, (T*)dlogits,
-                                                            vocab, epsilon, padding_idx);
+      ce_backward_kernel<T, kVec<T>><<<n, 512, 0, stream>>>(dloss, dloss_stride, dnll, (const T*)logits, target, lse,
+                                                            (T*)dlogits, vocab, epsilon, padding_idx);
     else
-      ce_backward_kernel<T, 1><<<n, 512, 0, stream>>>(dloss, dnll, (const T*)logits, target, lse, (T*)dlogits, vocab,
-                                                      epsilon, padding_idx);
+      ce_backward_kernel<T, 1><<<n, 512, 0, stream>>>(dloss, dloss_stride, dnll, (const T*)logits, target, lse,
+                                                      (T*)dlogits, vocab, epsilon, padding_idx);
   })
 }
 

@@ -123,7 +123,8 @@ void embedding_backward(DType dt, const void* dout, const uint8_t* mask, const i
 // cross_entropy.cu: logits [n, vocab]
 void cross_entropy_forward(DType dt, const void* logits, const int64_t* target, float* loss, float* nll, float* lse,
                            int64_t n, int vocab, float epsilon, int padding_idx, cudaStream_t stream);
-void cross_entropy_backward(DType dt, const float* dloss, const float* dnll, const void* logits,
+// dloss: row i's at dloss[i * dloss_stride] (0: one value for all rows); dnll: nullptr for none (zero)
+void cross_entropy_backward(DType dt, const float* dloss, int64_t dloss_stride, const float* dnll, const void* logits,
                             const int64_t* target, const float* lse, void* dlogits, int64_t n, int vocab,
                             float epsilon, int padding_idx, cudaStream_t stream);
 

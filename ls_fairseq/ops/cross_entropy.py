@@ -30,6 +30,7 @@ def cross_entropy_forward_reference(logits, target, epsilon, padding_idx):
 
 
 def cross_entropy_backward_reference(dloss, dnll, logits, target, lse, epsilon, padding_idx, out=None):
+    # dnll None: the nll loss took no gradient
     # d loss / d logit_j = p_j - eps_i - (1 - eps - eps_i) [j = target]
     #   (the coefficient of p_j is (1 - eps - eps_i) + eps_i * V = 1)
     # d nll / d logit_j = p_j - [j = target]; rows with target == padding_idx get 0
@@ -38,8 +39,9 @@ def cross_entropy_backward_reference(dloss, dnll, logits, target, lse, epsilon, 
     prob = torch.exp(dispatch.upcast(logits) - lse.unsqueeze(-1))
     onehot = torch.zeros_like(prob).scatter_(-1, target.unsqueeze(-1), 1.0)
     live = target.ne(padding_idx).to(prob.dtype).unsqueeze(-1)
-    g_loss, g_nll = dispatch.upcast(dloss).unsqueeze(-1) * live, dispatch.upcast(dnll).unsqueeze(-1) * live
-    grad = g_loss * (prob - eps_i - (1.0 - epsilon - eps_i) * onehot) + g_nll * (prob - onehot)
+    grad = dispatch.upcast(dloss).unsqueeze(-1) * live * (prob - eps_i - (1.0 - epsilon - eps_i) * onehot)
+    if dnll is not None:
+        grad = grad + dispatch.upcast(dnll).unsqueeze(-1) * live * (prob - onehot)
     return grad.to(logits.dtype) if out is None else out.copy_(grad)
 
 
@@ -58,8 +60,12 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss, dnll):
         logits, target, lse = ctx.saved_tensors
-        dloss = torch.zeros_like(lse) if dloss is None else dloss.contiguous()
-        dnll = torch.zeros_like(lse) if dnll is None else dnll.contiguous()
+        # the criterion sums the losses: dloss comes as one value for every row (a stride-0 view), which
+        # the kernel reads as it is, and the nll loss (logged only) takes no gradient: no copy, no fill
+        dloss = torch.zeros_like(lse) if dloss is None else dloss
+        if dloss.dim() != 1 or dloss.stride(0) not in (0, 1):
+            dloss = dloss.contiguous()
+        dnll = None if dnll is None else dnll.contiguous()
         out = logits if ctx.overwrite_logits else None
         grad = ctx.bwd(dloss, dnll, logits, target, lse, ctx.epsilon, ctx.padding_idx, out)
         return grad, None, None, None, None
