@@ -87,7 +87,7 @@ class LSTransformerConfig(FairseqDataclass):
         default=False,
         metadata={
             "help": "ls-fairseq-train on a GPU: capture each batch shape's forward and backward in a CUDA graph "
-            "at its second occurrence and replay it from then on (one launch instead of ~800 from the host); "
+            "at its first occurrence (after the run's first, eager, step) and replay it from then on (one launch instead of ~800 from the host); "
             "pair with --required-seq-len-multiple 8 or more so that batches share shapes"
         },
     )

@@ -50,7 +50,7 @@ SYSTEMS = {
     "stock-fp16": ("", "label_smoothed_cross_entropy", "adam", ["--fp16"], "fairseq_cli.train"),
     "ls-fp16": LS + (["--memory-efficient-fp16"], "ls_fairseq.train"),
     "ls-fp16-master": LS + (["--fp16"], "ls_fairseq.train"),
-    # forward and backward replayed from a CUDA graph per batch shape (captured at a shape's second batch;
+    # forward and backward replayed from a CUDA graph per batch shape (captured at a shape's first batch;
     # lengths padded to multiples of 8 so that batches share shapes): see --steady-from-epoch
     "ls-fp16-graphs": LS + (["--fp16", "--ls-cuda-graphs", "--required-seq-len-multiple", "8"], "ls_fairseq.train"),
     "ls-bf16-graphs": LS + (["--bf16", "--ls-cuda-graphs", "--required-seq-len-multiple", "8"], "ls_fairseq.train"),
@@ -270,8 +270,8 @@ def main():
                         help="the last is profiled, and counts toward the steady state only up to the profile")
     parser.add_argument("--steady-from-epoch", type=int, default=2,
                         help="steady state: the log intervals from this epoch on (those that captured a CUDA graph "
-                        "left out). The graphed systems capture a shape at its second batch; fairseq repeats an "
-                        "epoch's batches (shuffled), so on one GPU every step of epoch 3 replays (the synthetic data "
+                        "left out). The graphed systems capture a shape at its first batch; fairseq repeats an "
+                        "epoch's batches (shuffled), so on one GPU every step of epoch 2 replays (the synthetic data "
                         "at 8,192 tokens: 107 batches an epoch, 66 shapes): use 3. On N GPUs --grouped-shuffling "
                         "gives each rank the same batches every epoch, so the same holds (runs 17-18 at two GPUs)")
     parser.add_argument("--pairs", type=int, default=24000)
