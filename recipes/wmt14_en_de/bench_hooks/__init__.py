@@ -19,7 +19,11 @@
 Results go to the JSON file named by $BENCH_HOOKS_OUT at exit (rank 0's, under
 data-parallel training; the other ranks' beside it, as NAME.rankN.json). With
 $BENCH_WITH_LS=1 it also loads the ls_fairseq plugin (fairseq takes one
---user-dir). Nothing else about training changes.
+--user-dir). With $BENCH_MEMORY_HISTORY=FILE it also records every allocation
+and free with its call stack (torch.cuda.memory._record_memory_history, which
+slows the run: not for timing) and writes the snapshot to FILE at exit, for
+finding what is alive at the peak (torch.cuda._memory_viz reads it). Nothing
+else about training changes.
 """
 import atexit
 import json
@@ -47,6 +51,8 @@ def _record_then_reset(*args, **kwargs):
 
 
 torch.cuda.reset_peak_memory_stats = _record_then_reset
+if os.environ.get("BENCH_MEMORY_HISTORY") and torch.cuda.is_available():
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
 _train_step, _begin_epoch = Trainer.train_step, Trainer.begin_epoch
 _profiler = {"prof": None, "steps": 0, "from": None}
 
@@ -165,3 +171,5 @@ def _write():
     if path:
         with open(path, "w") as f:
             json.dump(_stats, f)
+        if os.environ.get("BENCH_MEMORY_HISTORY"):
+            torch.cuda.memory._dump_snapshot(os.environ["BENCH_MEMORY_HISTORY"])
