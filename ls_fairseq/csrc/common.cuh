@@ -8,7 +8,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 
 #include "kernels.h"
@@ -65,39 +64,6 @@ __device__ __forceinline__ void store_mask(uint8_t* p, const bool (&keep)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) pk.v[i] = keep[i];
   *reinterpret_cast<Pack<uint8_t, N>*>(p) = pk;
-}
-
-// Asynchronous copies global -> shared (cp.async, sm_80+) of 4, 8 or 16 bytes: the loads in
-// flight cost no registers, only shared memory. A thread that waited for its group may read
-// what it copied itself; others need a barrier first.
-template <int BYTES>
-__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
-  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  if constexpr (BYTES == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(s), "l"(gmem), "n"(BYTES) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Waits until at most N of the thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// Lets Kernel take `bytes` of dynamic shared memory (above the default 48 KB), once a device.
-template <auto Kernel>
-void allow_dynamic_smem(int bytes) {
-  static std::atomic<uint64_t> done{0};
-  int device = 0;
-  cudaGetDevice(&device);
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (done.load(std::memory_order_relaxed) & bit) return;
-  cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  done.fetch_or(bit);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

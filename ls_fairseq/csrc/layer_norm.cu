@@ -220,28 +220,24 @@ struct LnParamMap {
   }
 };
 
-// One pass over a strip of rows, kStripRows row groups a block: group g takes rows g,
-// g + kStripRows, ... of the strip. A group's next kStripStages - 1 rows (dy, x, the row's
-// mean and rstd, with BDR the keep-mask) are in flight at once, copied into shared memory
-// with cp.async (a ring of kStripStages slots a warp, each lane reading back only what it
-// copied itself): no registers held by the loads, so four rows a group in flight, ~128 KB
-// an SM at hidden 1,024 in fp16, where loads into registers kept one (~32 KB: too few
-// bytes in flight to cover the memory latency, ~57% of copy bandwidth). dx is stored at
-// once, dy * xhat and dy are added to the lane's column sums, and the block folds its
-// warps' sums in a fixed order into the strip's partial sums (column_sum_finish_kernel adds
-// the strips up). A row group is one warp holding whole rows (ITEMS x 32 vectors a lane),
-// or, with SPLIT = 2 (ITEMS even), a pair of warps each holding half the row (half the
-// registers a thread); the halves' row sums meet in shared memory behind a barrier of the
-// pair's 64 threads only, double-buffered by the row's parity so that one barrier a row
-// suffices (a half cannot overwrite a slot its partner still reads: it passed the barrier
-// of the row in between), added in the same order by both halves.
+// One pass over a strip of rows, kStripRows rows in flight a block: row group g takes rows
+// g, g + kStripRows, ... of the strip, and loads its next row's dy and x before this row's
+// reduction (two rows in flight a group); dx is stored at once, dy * xhat and dy are added
+// to the lane's column sums, and the block folds its warps' sums in a fixed order into the
+// strip's partial sums (column_sum_finish_kernel adds the strips up). A row group is one
+// warp holding whole rows (ITEMS x 32 vectors a lane), or, with SPLIT = 2 (ITEMS even), a
+// pair of warps each holding half the row: half the registers a thread (~120 against ~240
+// at hidden 1,024 in fp16), so twice the warps an SM in flight; the halves' row sums meet in
+// shared memory behind a barrier of the pair's 64 threads only, double-buffered by the
+// row's parity so that one barrier a row suffices (a half cannot overwrite a slot its
+// partner still reads: it passed the barrier of the row in between), added in the same
+// order by both halves.
 // With a BdrTail (post-LN's block end, bias_dropout_residual_layer_norm) the kernel also does
 // bias_dropout_residual's backward on each row's dx while it holds it: dh = dx * keep / (1 - p)
 // (from dx rounded to T, as the two ops in a row compute it) is stored, and its column sums
 // (the bias's gradient) join gamma's and beta's: one kernel and one read of dx less than
 // LayerNorm's backward followed by bias_dropout_residual's.
 constexpr int kStripRows = 4;
-constexpr int kStripStages = 4;
 
 template <typename T>
 struct BdrTail {
@@ -263,82 +259,52 @@ __device__ __forceinline__ void row_group_barrier(int group) {
   }
 }
 
-// The strip kernel's dynamic shared memory: the rows' ring ([stage][warp][dy, x][item][lane]
-// vectors, then [stage][warp][mean, rstd][lane] floats, then with BDR [stage][warp][item][lane]
-// mask vectors), which the warps' column sums reuse once every row is done ([warp][column]).
 template <typename T, int ITEMS, int SPLIT, bool BDR>
-constexpr int strip_smem_bytes() {
-  constexpr int V = kVec<T>, W = ITEMS / SPLIT, warps = kStripRows * SPLIT;
-  constexpr int ring = kStripStages * warps * 32 * (W * (2 * 16 + (BDR ? V : 0)) + 2 * 4);
-  constexpr int fold = warps * W * 32 * V * 4;
-  return ring > fold ? ring : fold;
-}
-
-template <typename T, int ITEMS, int SPLIT, bool BDR>
-__global__ void __launch_bounds__(32 * kStripRows * SPLIT, 2)
+__global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
     ln_backward_strip_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
                              const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
                              BdrTail<T> tail, float* __restrict__ partial, int64_t rows, int hidden, int strip) {
   static_assert(ITEMS % SPLIT == 0, "a row splits into whole lane vectors");
   constexpr int V = kVec<T>, W = ITEMS / SPLIT, C = W * 32 * V;  // a warp's vectors a lane, its columns
   constexpr int kWarps = kStripRows * SPLIT, K = BDR ? 3 : 2;     // K sums: dgamma, dbeta (, dbias)
-  constexpr int S = kStripStages;
-  using Vec = Pack<T, V>;
-  using Mask = Pack<uint8_t, V>;
-  extern __shared__ __align__(16) unsigned char strip_smem[];
-  Vec* const ring = reinterpret_cast<Vec*>(strip_smem);
-  float* const stats = reinterpret_cast<float*>(ring + S * kWarps * 2 * W * 32);
-  Mask* const masks = reinterpret_cast<Mask*>(stats + S * kWarps * 2 * 32);
-  float* const fold = reinterpret_cast<float*>(strip_smem);  // [kWarps][C], after the last row
-  __shared__ float halves[kStripRows][2][SPLIT][2];          // [group][row parity][half][sum g, sum g xhat]
+  __shared__ float fold[kWarps][C];  // one sum at a time: [warp][(item, element, lane)]
+  __shared__ float halves[kStripRows][2][SPLIT][2];  // [group][row parity][half][sum g, sum g xhat]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, group = warp / SPLIT, half = warp % SPLIT;
   const int64_t r0 = int64_t(blockIdx.x) * strip, r1 = r0 + strip < rows ? r0 + strip : rows;
   const T* const g0 = gamma + half * C;
-  auto vec_at = [&](int stage, int t, int it) -> Vec& { return ring[((stage * kWarps + warp) * 2 + t) * W * 32 + it * 32 + lane]; };
-  auto stat_at = [&](int stage, int t) -> float& { return stats[((stage * kWarps + warp) * 2 + t) * 32 + lane]; };
-  auto mask_at = [&](int stage, int it) -> Mask& { return masks[(stage * kWarps + warp) * W * 32 + it * 32 + lane]; };
-  // row `row`'s loads into ring slot `stage`, one commit group (empty past the strip's end)
-  auto issue = [&](int64_t row, int stage) {
-    if (row < r1) {
-#pragma unroll
-      for (int it = 0; it < W; ++it) {
-        const int64_t c = row * hidden + half * C + (it * 32 + lane) * V;
-        cp_async<16>(&vec_at(stage, 0, it), dy + c);
-        cp_async<16>(&vec_at(stage, 1, it), x + c);
-        if constexpr (BDR) {
-          if (tail.mask) cp_async<V>(&mask_at(stage, it), tail.mask + c);
-        }
-      }
-      cp_async<4>(&stat_at(stage, 0), mean + row);
-      cp_async<4>(&stat_at(stage, 1), rstd + row);
-    }
-    cp_async_commit();
-  };
   float acc[W][K][V] = {};
-  const int64_t first = r0 + group;
+  Pack<T, V> next_dy[W], next_x[W];
+  auto fetch = [&](int64_t row) {
 #pragma unroll
-  for (int st = 0; st < S - 1; ++st) issue(first + int64_t(st) * kStripRows, st);
-  int parity = 0;
-  for (int i = 0; first + int64_t(i) * kStripRows < r1; ++i, parity ^= 1) {
-    const int64_t r = first + int64_t(i) * kStripRows;
-    // the slot of row i - 1, whose values the previous trip has consumed
-    issue(r + int64_t(S - 1) * kStripRows, (i + S - 1) % S);
-    cp_async_wait<S - 1>();  // row i's group is complete
-    const int stage = i % S;
-    const float mu = stat_at(stage, 0), rs = stat_at(stage, 1);
+    for (int it = 0; it < W; ++it) {
+      const int64_t c = row * hidden + half * C + (it * 32 + lane) * V;
+      next_dy[it] = *reinterpret_cast<const Pack<T, V>*>(dy + c);
+      next_x[it] = *reinterpret_cast<const Pack<T, V>*>(x + c);
+    }
+  };
+  int64_t r = r0 + group;
+  if (r < r1) fetch(r);
+  for (int parity = 0; r < r1; r += kStripRows, parity ^= 1) {
+    Pack<T, V> cur_dy[W], cur_x[W];
+#pragma unroll
+    for (int it = 0; it < W; ++it) {
+      cur_dy[it] = next_dy[it];
+      cur_x[it] = next_x[it];
+    }
+    if (r + kStripRows < r1) fetch(r + kStripRows);
+    const float mu = mean[r], rs = rstd[r];
     float d[W][V], xh[W][V], sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int it = 0; it < W; ++it) {
-      const Vec cdy = vec_at(stage, 0, it), cx = vec_at(stage, 1, it);
       float gm[V];
       load<T, V>(g0 + (it * 32 + lane) * V, gm);
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        d[it][k] = to_f(cdy.v[k]);
-        xh[it][k] = (to_f(cx.v[k]) - mu) * rs;
-        const float g = d[it][k] * gm[k];
+      for (int i = 0; i < V; ++i) {
+        d[it][i] = to_f(cur_dy[it].v[i]);
+        xh[it][i] = (to_f(cur_x[it].v[i]) - mu) * rs;
+        const float g = d[it][i] * gm[i];
         sg += g;
-        sgx += g * xh[it][k];
+        sgx += g * xh[it][i];
       }
     }
     sg = warp_sum(sg);
@@ -363,41 +329,40 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, 2)
       float gm[V], o[V];
       load<T, V>(g0 + c, gm);
 #pragma unroll
-      for (int k = 0; k < V; ++k) {
-        o[k] = rs * (d[it][k] * gm[k] - mg - xh[it][k] * mgx);
-        acc[it][0][k] += d[it][k] * xh[it][k];
-        acc[it][1][k] += d[it][k];
+      for (int i = 0; i < V; ++i) {
+        o[i] = rs * (d[it][i] * gm[i] - mg - xh[it][i] * mgx);
+        acc[it][0][i] += d[it][i] * xh[it][i];
+        acc[it][1][i] += d[it][i];
       }
       const int64_t e = r * hidden + half * C + c;
       store<T, V>(dx + e, o);
       if constexpr (BDR) {
-        const Mask keep = tail.mask ? mask_at(stage, it) : Mask{};
+        bool keep[V];
+        if (tail.mask) load_mask<V>(tail.mask + e, keep);
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-          o[k] = (!tail.mask || keep.v[k]) ? to_f(from_f<T>(o[k])) * tail.scale : 0.f;
-          acc[it][2][k] += o[k];
+        for (int i = 0; i < V; ++i) {
+          o[i] = (!tail.mask || keep[i]) ? to_f(from_f<T>(o[i])) * tail.scale : 0.f;
+          acc[it][2][i] += o[i];
         }
         store<T, V>(tail.dh + e, o);
       }
     }
   }
-  cp_async_wait<0>();
-  // the block's sums into the strip's partial sums, one sum at a time through shared memory (the
-  // ring's, once every warp has read its last row) in a lane-fastest layout (conflict-free stores
-  // and loads), the row groups added in a fixed order
+  // the block's sums into the strip's partial sums, one sum at a time through shared memory in a
+  // lane-fastest layout (conflict-free stores and loads), the row groups added in a fixed order
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    __syncthreads();  // the ring's or the previous sum's reads are done
+    if (k > 0) __syncthreads();  // the previous sum's reads are done
 #pragma unroll
     for (int it = 0; it < W; ++it)
 #pragma unroll
-      for (int i = 0; i < V; ++i) fold[warp * C + (it * V + i) * 32 + lane] = acc[it][k][i];
+      for (int i = 0; i < V; ++i) fold[warp][(it * V + i) * 32 + lane] = acc[it][k][i];
     __syncthreads();
     for (int j = threadIdx.x; j < SPLIT * C; j += 32 * kWarps) {
       const int h = j / C, e = j % C;  // e: (item, element, lane) in half h
       float s = 0.f;
 #pragma unroll
-      for (int g = 0; g < kStripRows; ++g) s += fold[(g * SPLIT + h) * C + e];
+      for (int g = 0; g < kStripRows; ++g) s += fold[g * SPLIT + h][e];
       const int it = e / (32 * V), i = (e / 32) % V, l = e % 32;
       partial[(int64_t(k) * gridDim.x + blockIdx.x) * hidden + h * C + (it * 32 + l) * V + i] = s;
     }
@@ -471,11 +436,8 @@ void ln_backward_strips(const T* dy, const T* x, const T* gamma, const float* me
   const int chunks = column_chunks(rows);
   const int strip = int((rows + chunks - 1) / chunks), blocks = int((rows + strip - 1) / strip);
   auto launch = [&]<int ITEMS, int SPLIT>() {
-    constexpr auto kernel = ln_backward_strip_kernel<T, ITEMS, SPLIT, BDR>;
-    constexpr int smem = strip_smem_bytes<T, ITEMS, SPLIT, BDR>();
-    allow_dynamic_smem<kernel>(smem);
-    kernel<<<blocks, 32 * kStripRows * SPLIT, smem, stream>>>(dy, x, gamma, mean, rstd, dx, tail, partial, rows,
-                                                              hidden, strip);
+    ln_backward_strip_kernel<T, ITEMS, SPLIT, BDR><<<blocks, 32 * kStripRows * SPLIT, 0, stream>>>(
+        dy, x, gamma, mean, rstd, dx, tail, partial, rows, hidden, strip);
   };
   switch (hidden / (32 * kVec<T>)) {  // a row in two halves when it splits into whole lane vectors
     case 1: launch.template operator()<1, 1>(); break;
