@@ -18,7 +18,8 @@ the three places where fairseq's trainer reads the GPU every update:
 So the host can queue the next update while the GPU still runs this one. With
 any other optimizer it is fairseq's Trainer unchanged. With ``--ls-cuda-graphs``
 the task's train_step replays each batch shape's forward and backward from a
-CUDA graph (ls_fairseq/cuda_graphs.py).
+CUDA graph (ls_fairseq/cuda_graphs.py). With ``--required-seq-len-multiple``
+batches are sized by their padded lengths (ls_fairseq/batching.py).
 
 Logged per interval, as fairseq does: ``gnorm`` (mean over the steps that were
 taken), ``clip`` (percentage of those that were clipped), ``loss_scale`` (fp16),
@@ -32,6 +33,7 @@ from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 
+from ls_fairseq.batching import padded_length_datasets
 from ls_fairseq.cuda_graphs import GraphedTrainStep
 from ls_fairseq.optim.mixed_precision import LEGACY_DDP_BACKENDS, DeviceStepAdam
 
@@ -67,6 +69,11 @@ def sum_over_workers(data, device, group=None, host_group=None):
 
 class LSTrainer(Trainer):
     _host_group = None  # the CPU (gloo) group of the data-parallel stat sums, made at the first one
+
+    def __init__(self, cfg, task, *args, **kwargs):
+        super().__init__(cfg, task, *args, **kwargs)
+        if cfg.dataset.required_seq_len_multiple > 1:
+            task.dataset = padded_length_datasets(task.dataset, cfg.dataset.required_seq_len_multiple)
 
     @property
     def device_step(self):
