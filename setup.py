@@ -88,7 +88,7 @@ setup(
     license="MIT",
     python_requires=">=3.9",
     packages=find_packages(include=["ls_fairseq", "ls_fairseq.*"]),
-    package_data={"ls_fairseq": ["csrc/*.cu", "csrc/*.cpp", "csrc/*.h"]},
+    package_data={"ls_fairseq": ["csrc/*.cu", "csrc/*.cuh", "csrc/*.cpp", "csrc/*.h"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     entry_points={"console_scripts": ["ls-fairseq-train = ls_fairseq.train:cli_main"]},

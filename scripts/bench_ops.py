@@ -8,7 +8,7 @@ over many calls after warm-up (host launch gaps excluded: they are the
 subject of the training benchmark), rotating among input sets that together
 exceed the 60 MB L2 cache. Achieved
 bandwidth counts the fewest bytes the op must move (each input read once, each
-output written once) against the card's measured device-to-device copy
+output written once; no dropout mask: the kernels draw it again in backward) against the card's measured device-to-device copy
 bandwidth.
 
   python scripts/bench_ops.py [--dtype fp16|bf16] [--json FILE]
@@ -94,7 +94,7 @@ def benches(dtype):
         return [rand(TOKENS, HIDDEN, dtype=dtype).requires_grad_(), rand(HIDDEN, dtype=dtype).requires_grad_(),
                 rand(TOKENS, HIDDEN, dtype=dtype).requires_grad_(), rand(TOKENS, HIDDEN, dtype=dtype)]
 
-    rows.append(("bias_dropout_residual", bdr_inputs, n * (3 * s + 1), n * (2 * s + 1),
+    rows.append(("bias_dropout_residual", bdr_inputs, n * 3 * s, n * 2 * s,
                  lambda x, b, r, dy: r + F.dropout(x + b, P),
                  lambda x, b, r, dy: ops.bias_dropout_residual(x, b, r, P)))
 
@@ -104,7 +104,7 @@ def benches(dtype):
                 rand(TOKENS, HIDDEN, dtype=dtype).requires_grad_(), rand(HIDDEN, dtype=dtype).requires_grad_(),
                 rand(HIDDEN, dtype=dtype).requires_grad_(), rand(TOKENS, HIDDEN, dtype=dtype)]
 
-    rows.append(("bias_dropout_residual_layer_norm", bdrln_inputs, n * (4 * s + 1), n * (4 * s + 1),
+    rows.append(("bias_dropout_residual_layer_norm", bdrln_inputs, n * 4 * s, n * 4 * s,
                  lambda x, b, r, w, lb, dy: F.layer_norm(r + F.dropout(x + b, P), (HIDDEN,), w, lb, 1e-5),
                  lambda x, b, r, w, lb, dy: ops.bias_dropout_residual_layer_norm(x, b, r, w, lb, P)))
 
@@ -115,7 +115,7 @@ def benches(dtype):
         return [rand(TOKENS, FFN, dtype=dtype).requires_grad_(), rand(FFN, dtype=dtype).requires_grad_(),
                 rand(TOKENS, FFN, dtype=dtype)]
 
-    rows.append(("bias_act_dropout", bad_inputs, m * (2 * s + 1), m * (3 * s + 1),
+    rows.append(("bias_act_dropout", bad_inputs, m * 2 * s, m * 3 * s,
                  lambda x, b, dy: F.dropout(F.relu(x + b), P),
                  lambda x, b, dy: ops.bias_act_dropout(x, b, "relu", P)))
 
@@ -129,7 +129,7 @@ def benches(dtype):
         return [rand(B, HEADS, SENT_LEN, SENT_LEN, dtype=dtype).requires_grad_(), kpm,
                 rand(B, HEADS, SENT_LEN, SENT_LEN, dtype=dtype)]
 
-    rows.append(("softmax", sm_inputs, a * (3 * s + 1), a * (3 * s + 1),
+    rows.append(("softmax", sm_inputs, a * 3 * s, a * 3 * s,
                  lambda x, kpm, dy: F.dropout(torch.softmax(x.masked_fill(kpm[:, None, None, :], float("-inf")).float(), -1).type_as(x), P),
                  lambda x, kpm, dy: ops.softmax(x, kpm, False, P)))
 
@@ -170,8 +170,8 @@ def benches(dtype):
         return ops.embedding(t, pos, w, None, HIDDEN**0.5, 1, P)
 
     for name, zipfian in (("embedding", False), ("embedding (Zipf ids)", True)):
-        rows.append((name, lambda zipfian=zipfian: emb_inputs(zipfian), n * (2 * s + 1),
-                     n * (2 * s + 1) + VOCAB * HIDDEN * s, emb_stock, emb_ls))
+        rows.append((name, lambda zipfian=zipfian: emb_inputs(zipfian), n * 2 * s,
+                     n * 2 * s + VOCAB * HIDDEN * s, emb_stock, emb_ls))
 
     # cross_entropy: logits [tokens, vocab]
     v = TOKENS * VOCAB

@@ -33,6 +33,12 @@ def keep_mask(shape, p, device="cpu"):
     return (torch.rand(shape, device=device) >= p).to(torch.uint8)
 
 
+def drawn(dropout):
+    """The keep-mask a kernel's dropout drew (``_C.Dropout.mask()``; None without dropout): the mask
+    the references are given, so that they apply the kernel's dropout."""
+    return None if dropout is None else dropout.mask()
+
+
 def kernel(op, like):
     """The compiled extension, after asserting that ``op`` on ``like`` really dispatches to it:
     on a GPU machine without the extension the GPU tests fail instead of testing the reference."""

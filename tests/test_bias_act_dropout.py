@@ -1,7 +1,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DTYPES, assert_close, check_kernel, grads, keep_mask, kernel, poison
+from helpers import DTYPES, assert_close, check_kernel, drawn, grads, keep_mask, kernel, poison
 
 from ls_fairseq import ops
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout_backward_reference, bias_act_dropout_forward_reference
@@ -45,9 +45,10 @@ def test_kernel_matches_reference(dtype, activation, rows, hidden, p):
     b = torch.randn(hidden, device="cuda").to(dtype)
     ext = kernel("bias_act_dropout", x)
     poison()
-    out, mask = ext.bias_act_dropout_forward(x, b, activation, p, None)
+    out, dropout = ext.bias_act_dropout_forward(x, b, activation, p, None)
     poison()
-    dx, db = ext.bias_act_dropout_backward(dout, x, b, mask, activation, p, None)
+    dx, db = ext.bias_act_dropout_backward(dout, x, b, dropout, activation, p, None)
+    mask = drawn(dropout)  # the forward's keep-bits, which the backward drew again
     out64, _ = bias_act_dropout_forward_reference(x.double(), b.double(), activation, p, mask)
     dx64, db64 = bias_act_dropout_backward_reference(dout.double(), x.double(), b.double(), mask, activation, p)
     out_l, _ = bias_act_dropout_forward_reference(x, b, activation, p, mask)
@@ -59,7 +60,8 @@ def test_kernel_matches_reference(dtype, activation, rows, hidden, p):
 @pytest.mark.parametrize("activation,kept", [("relu", 1), ("gelu", 2)])
 def test_backward_keeps_only_what_it_needs(activation, kept):
     """relu: only the output (which the FFN's second GEMM keeps anyway); gelu: x and the mask
-    (and the bias parameter itself, no copy)."""
+    (and the bias parameter itself, no copy) on this reference path, x alone on the kernel's, whose
+    backward draws the keep-bits again."""
     x = torch.randn(5, 8, requires_grad=True)
     b = torch.randn(8, requires_grad=True)
     saved = []

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from helpers import DTYPES, assert_close, check_kernel, grads, keep_mask, kernel, poison
+from helpers import DTYPES, assert_close, check_kernel, drawn, grads, keep_mask, kernel, poison
 
 from ls_fairseq import ops
 from ls_fairseq.ops.bias_dropout_residual import (
@@ -55,11 +55,12 @@ def test_kernel_matches_reference(dtype, rows, hidden, p):
     b = torch.randn(hidden, device="cuda").to(dtype)
     ext = kernel("bias_dropout_residual", x)
     poison()
-    out, mask = ext.bias_dropout_residual_forward(x, b, r, p, None)
-    assert (mask is None) == (p == 0)
+    out, dropout = ext.bias_dropout_residual_forward(x, b, r, p, None)
+    assert (dropout is None) == (p == 0)
     poison()
-    dx, db = ext.bias_dropout_residual_backward(dout, mask, p, None)
-    assert torch.equal(db, ext.bias_dropout_residual_backward(dout, mask, p, None)[1]), "dbias must be deterministic"
+    dx, db = ext.bias_dropout_residual_backward(dout, dropout, p, None)
+    assert torch.equal(db, ext.bias_dropout_residual_backward(dout, dropout, p, None)[1]), "dbias must be deterministic"
+    mask = drawn(dropout)  # the forward's keep-bits, which the backward drew again
     out64, _ = bias_dropout_residual_forward_reference(x.double(), b.double(), r.double(), p, mask)
     dx64, db64 = bias_dropout_residual_backward_reference(dout.double(), mask, p)
     out_l, _ = bias_dropout_residual_forward_reference(x, b, r, p, mask)
@@ -82,26 +83,42 @@ def test_kernel_dropout_rate_seed_and_given_mask(hidden):
     x, r = torch.randn(4096, hidden, device="cuda"), torch.zeros(4096, hidden, device="cuda")
     b = torch.zeros(hidden, device="cuda")
     ext = kernel("bias_dropout_residual", x)
+    x = torch.rand_like(x) + 1.0  # no zeros: an element is zero exactly where it is dropped
     torch.cuda.manual_seed(5)
-    a, mask_a = ext.bias_dropout_residual_forward(x, b, r, 0.3, None)
-    _, mask_b = ext.bias_dropout_residual_forward(x, b, r, 0.3, None)
+    a, drop_a = ext.bias_dropout_residual_forward(x, b, r, 0.3, None)
+    _, drop_b = ext.bias_dropout_residual_forward(x, b, r, 0.3, None)
     torch.cuda.manual_seed(5)
-    _, mask_c = ext.bias_dropout_residual_forward(x, b, r, 0.3, None)
+    _, drop_c = ext.bias_dropout_residual_forward(x, b, r, 0.3, None)
+    mask_a, mask_b, mask_c = drawn(drop_a), drawn(drop_b), drawn(drop_c)
+    assert torch.equal((a != 0).to(torch.uint8), mask_a), "the mask written out is not the one the forward applied"
     assert torch.equal(mask_a, mask_c) and not torch.equal(mask_a, mask_b)
     assert abs(mask_a.float().mean().item() - 0.7) < 0.003
     # neighbours are independent: equal with probability 0.7^2 + 0.3^2
     flat = mask_a.flatten()
     assert abs((flat[1:] == flat[:-1]).float().mean().item() - 0.58) < 0.003
     given_mask = keep_mask(x.shape, 0.3, "cuda")
-    x = torch.rand_like(x) + 1.0  # no zeros: an element is zero exactly where it is dropped
-    given, _ = ext.bias_dropout_residual_forward(x, b, r, 0.3, given_mask)
+    given, dropout = ext.bias_dropout_residual_forward(x, b, r, 0.3, given_mask)
     wrong = (given == 0) != (given_mask == 0)
     assert not wrong.any(), "{} elements ignore the given mask, first at {}".format(int(wrong.sum()), wrong.nonzero()[:4].tolist())
+    dx, _ = ext.bias_dropout_residual_backward(torch.ones_like(x), dropout, 0.3, None)
+    assert torch.equal((dx != 0).to(torch.uint8), given_mask), "the backward must apply the given mask"
 
 
-def test_the_keep_mask_gets_no_zero_gradient_made():
-    """The Function returns its keep-mask too; autograd must not fill a zero gradient for it (a
-    kernel per call on the GPU)."""
+@pytest.mark.gpu
+def test_kernel_backward_checks_the_dropout_it_is_given():
+    x = torch.randn(8, 64, device="cuda")
+    ext = kernel("bias_dropout_residual", x)
+    _, dropout = ext.bias_dropout_residual_forward(x, x[0], x, 0.3, None)
+    assert dropout.p == 0.3
+    with pytest.raises(RuntimeError, match=r"dropout was drawn over shape \[8, 64\], the gradient has shape \[4, 64\]"):
+        ext.bias_dropout_residual_backward(x[:4].contiguous(), dropout, 0.3, None)
+    with pytest.raises(RuntimeError, match="dropout was drawn at p = 0.3, the backward was given p = 0.1"):
+        ext.bias_dropout_residual_backward(x, dropout, 0.1, None)
+
+
+def test_no_zero_gradient_is_made():
+    """autograd must not fill a zero gradient for the Function's outputs (a kernel per call on the
+    GPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     x, r = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from helpers import DTYPES, assert_close, check_kernel, grads, keep_mask, kernel, poison
+from helpers import DTYPES, assert_close, check_kernel, drawn, grads, keep_mask, kernel, poison
 
 from ls_fairseq import ops
 from ls_fairseq.ops.bias_dropout_residual_layer_norm import (
@@ -72,8 +72,9 @@ def test_kernel_matches_reference_and_the_two_kernels_bit_for_bit(dtype, rows, h
     h, b, r, w, lb = (t.detach() for t in inputs((rows, hidden), dtype, "cuda"))
     ext = kernel("bias_dropout_residual_layer_norm", h)
     poison()
-    y, x, mean, rstd, mask = ext.bias_dropout_residual_layer_norm_forward(h, b, r, w, lb, 1e-5, p, None)
-    assert (mask is None) == (p == 0)
+    y, x, mean, rstd, dropout = ext.bias_dropout_residual_layer_norm_forward(h, b, r, w, lb, 1e-5, p, None)
+    assert (dropout is None) == (p == 0)
+    mask = drawn(dropout)  # the forward's keep-bits, which the backward draws again
     # the two kernels in a row, with the fused kernel's mask: the same bits
     x2, _ = ext.bias_dropout_residual_forward(h, b, r, p, mask)
     y2, mean2, rstd2 = ext.layer_norm_forward(x2, w, lb, 1e-5)
@@ -81,8 +82,8 @@ def test_kernel_matches_reference_and_the_two_kernels_bit_for_bit(dtype, rows, h
         assert torch.equal(a, e), name
     dy = torch.randn(rows, hidden, device="cuda").to(dtype)
     poison()
-    dh, dbias, dx, dw, dlb = ext.bias_dropout_residual_layer_norm_backward(dy, x, w, mean, rstd, mask, p, None, None,
-                                                                           None)
+    dh, dbias, dx, dw, dlb = ext.bias_dropout_residual_layer_norm_backward(dy, x, w, mean, rstd, dropout, p, None,
+                                                                           None, None)
     args64 = [t.double() for t in (h, b, r, w, lb)]
     out64 = bias_dropout_residual_layer_norm_forward_reference(*args64, 1e-5, p, mask)
     out_l = bias_dropout_residual_layer_norm_forward_reference(h, b, r, w, lb, 1e-5, p, mask)
@@ -94,6 +95,6 @@ def test_kernel_matches_reference_and_the_two_kernels_bit_for_bit(dtype, rows, h
     for o, ref, low, name in zip((dh, dbias, dx, dw, dlb), back64, back_l, ("dh", "dbias", "dx", "dweight", "dln_bias")):
         check_kernel(o, ref, low, name)
     # the column sums (dbias, dweight, dln_bias) in a fixed order: the same bits run to run
-    again = ext.bias_dropout_residual_layer_norm_backward(dy, x, w, mean, rstd, mask, p, None, None, None)
+    again = ext.bias_dropout_residual_layer_norm_backward(dy, x, w, mean, rstd, dropout, p, None, None, None)
     for o, a, name in zip((dh, dbias, dx, dw, dlb), again, ("dh", "dbias", "dx", "dweight", "dln_bias")):
         assert torch.equal(o, a), name

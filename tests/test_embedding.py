@@ -2,7 +2,7 @@ import pytest
 import torch
 from fairseq import utils
 from fairseq.modules import PositionalEmbedding
-from helpers import DTYPES, assert_close, check_kernel, grads, keep_mask, kernel, poison
+from helpers import DTYPES, assert_close, check_kernel, drawn, grads, keep_mask, kernel, poison
 
 from ls_fairseq import ops
 from ls_fairseq.ops.embedding import (
@@ -90,10 +90,11 @@ def test_kernel_matches_reference(dtype, learned, B, T, D, p):
     dout = torch.randn(B, T, D, device="cuda").to(dtype)
     ext = kernel("embedding", w)
     poison()
-    out, mask = embedding_forward_kernel(tokens, positions, w, pw, D**0.5, PAD, p, None)
+    out, dropout = embedding_forward_kernel(tokens, positions, w, pw, D**0.5, PAD, p, None)
+    mask = drawn(dropout)  # the forward's keep-bits, which the backward draws again
     poison()
-    dw, dpw = ext.embedding_backward(dout, tokens, positions, mask, D**0.5, PAD, p, V, pw.shape[0] if learned else 0, None, None)
-    dw2, _ = ext.embedding_backward(dout, tokens, positions, mask, D**0.5, PAD, p, V, pw.shape[0] if learned else 0, None, None)
+    dw, dpw = ext.embedding_backward(dout, tokens, positions, dropout, D**0.5, PAD, p, V, pw.shape[0] if learned else 0, None, None)
+    dw2, _ = ext.embedding_backward(dout, tokens, positions, dropout, D**0.5, PAD, p, V, pw.shape[0] if learned else 0, None, None)
     assert torch.equal(dw, dw2), "the table gradient must be deterministic"
     pw64 = pw.double() if learned else None
     out64, _ = embedding_forward_reference(tokens, positions, w.double(), pw64, D**0.5, PAD, p, mask)

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from helpers import DTYPES, assert_close, check_kernel, grads, keep_mask, kernel, poison
+from helpers import DTYPES, assert_close, check_kernel, drawn, grads, keep_mask, kernel, poison
 
 from ls_fairseq import ops
 from ls_fairseq.ops.softmax import softmax_backward_reference, softmax_forward_reference
@@ -84,9 +84,10 @@ def test_kernel_matches_reference(dtype, B, H, Tq, Tk, causal, p):
     dout = torch.randn_like(scores)
     ext = kernel("softmax", scores)
     poison()
-    out, probs, mask = ext.softmax_forward(scores, kpm, causal, p, None)
+    out, probs, dropout = ext.softmax_forward(scores, kpm, causal, p, None)
     poison()
-    ds = ext.softmax_backward(dout, probs, mask, p)
+    ds = ext.softmax_backward(dout, probs, dropout, p)
+    mask = drawn(dropout)  # the forward's keep-bits, which the backward drew again
     out64, probs64, _ = softmax_forward_reference(scores.double(), kpm, causal, p, mask)
     ds64 = softmax_backward_reference(dout.double(), probs64, mask, p)
     out_l, probs_l, _ = softmax_forward_reference(scores, kpm, causal, p, mask)

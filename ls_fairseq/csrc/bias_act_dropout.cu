@@ -1,11 +1,12 @@
 // bias_act_dropout: out = dropout(act(x + bias)), act = relu or gelu (the exact
 // erf form, as fairseq's gelu), the first half of the FFN.
 // Fuses: bias add, activation, dropout (mask drawn in-kernel from Philox).
-// Never written to memory: x + bias, act(x + bias). The keep-mask is stored as
-// one byte per element (LightSeq2: bias+activation+dropout fusion).
+// Never written to memory: x + bias, act(x + bias), the keep-mask (backward draws
+// the keep-bits again from the forward's Philox state; LightSeq2's
+// bias+activation+dropout fusion stores them).
 // Backward recomputes h = x + bias from x (no bias: zero, for relu's backward
 // from its output):
-//   dh = dout * mask / (1 - p) * act'(h), act'(h) = [h > 0] (relu) or
+//   dh = dout * keep / (1 - p) * act'(h), act'(h) = [h > 0] (relu) or
 //   Phi(h) + h * phi(h) (gelu, Phi/phi the normal cdf/pdf); dbias = column sum of dh,
 // fused into the same pass.
 #include "common.cuh"
@@ -46,10 +47,10 @@ struct BadBackwardMap {
   const T* dout;
   const T* x;
   const T* bias;
-  const uint8_t* mask;
+  Redraw keeps;
   T* dx;
   int hidden, activation;
-  float scale;
+  float p;
   template <int N>
   __device__ void operator()(int64_t r, int c, float (&v)[1][N]) const {
     const int64_t e = r * hidden + c;
@@ -63,29 +64,28 @@ struct BadBackwardMap {
 #pragma unroll
       for (int i = 0; i < N; ++i) bv[i] = 0.f;
     }
-    if (mask) load_mask<N>(mask + e, keep);
+    keeps.run<N>(e, p, keep);
+    const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
 #pragma unroll
-    for (int i = 0; i < N; ++i)
-      v[0][i] = (!mask || keep[i]) ? v[0][i] * scale * act_grad(xv[i] + bv[i], activation) : 0.f;
+    for (int i = 0; i < N; ++i) v[0][i] = keep[i] ? v[0][i] * scale * act_grad(xv[i] + bv[i], activation) : 0.f;
     store<T, N>(dx + e, v[0]);
   }
 };
 
-void bias_act_dropout_forward(DType dt, const void* x, const void* bias, void* out, uint8_t* mask, int64_t rows,
-                              int hidden, int activation, float p, RngState rng, cudaStream_t stream) {
+void bias_act_dropout_forward(DType dt, const void* x, const void* bias, void* out, int64_t rows, int hidden,
+                              int activation, float p, RngState rng, cudaStream_t stream) {
   LS_DISPATCH(dt, {
     const bool vec = hidden % kVec<T> == 0 && aligned16(x) && aligned16(bias);
-    dropout_map<T>(BadForward<T>{(const T*)x, (const T*)bias, hidden, activation}, vec, (T*)out, mask, rows,
-                   hidden, p, rng, stream);
+    dropout_map<T>(BadForward<T>{(const T*)x, (const T*)bias, hidden, activation}, vec, (T*)out, rows, hidden,
+                   p, rng, stream);
   })
 }
 
-void bias_act_dropout_backward(DType dt, const void* dout, const void* x, const void* bias, const uint8_t* mask,
+void bias_act_dropout_backward(DType dt, const void* dout, const void* x, const void* bias, const RngState* rng,
                                void* dx, GradOut dbias, float* partial, int64_t rows, int hidden, int activation,
                                float p, cudaStream_t stream) {
   LS_DISPATCH(dt, {
-    BadBackwardMap<T> f{(const T*)dout, (const T*)x, (const T*)bias, mask, (T*)dx, hidden, activation,
-                        p > 0.f ? 1.f / (1.f - p) : 1.f};
+    BadBackwardMap<T> f{(const T*)dout, (const T*)x, (const T*)bias, redraw(rng, p), (T*)dx, hidden, activation, p};
     const bool vec = aligned16(dout) && aligned16(x) && aligned16(bias) && aligned16(dx);
     map_column_sum<T, 1>(f, vec, GradOuts<1>{{dbias}}, partial, rows, hidden, stream);
   })

@@ -1,9 +1,10 @@
 // bias_dropout_residual: out = residual + dropout(x + bias), the tail of every
 // attention and FFN block.
 // Fuses: bias add, dropout (mask drawn in-kernel from Philox), residual add.
-// Never written to memory: x + bias, the dropped value. The keep-mask is stored
-// as one byte per element for backward (LightSeq2: bias+dropout+residual fusion).
-// Backward: dx = dout * mask / (1 - p), dresidual = dout (returned as is by the
+// Never written to memory: x + bias, the dropped value, the keep-mask (backward
+// draws the keep-bits again from the forward's Philox state; LightSeq2's
+// bias+dropout+residual fusion stores them, a byte an element).
+// Backward: dx = dout * keep / (1 - p), dresidual = dout (returned as is by the
 // autograd Function), dbias = column sum of dx, fused into the same pass.
 #include "common.cuh"
 #include "dropout_map.cuh"
@@ -34,36 +35,36 @@ struct BdrForward {
 template <typename T>
 struct BdrBackwardMap {
   const T* dout;
-  const uint8_t* mask;
+  Redraw keeps;
   T* dx;
   int hidden;
-  float scale;
+  float p;
   template <int N>
   __device__ void operator()(int64_t r, int c, float (&v)[1][N]) const {
     const int64_t e = r * hidden + c;
+    const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
     bool keep[N];
     load<T, N>(dout + e, v[0]);
-    if (mask) load_mask<N>(mask + e, keep);
+    keeps.run<N>(e, p, keep);
 #pragma unroll
-    for (int i = 0; i < N; ++i) v[0][i] = (!mask || keep[i]) ? v[0][i] * scale : 0.f;
+    for (int i = 0; i < N; ++i) v[0][i] = keep[i] ? v[0][i] * scale : 0.f;
     store<T, N>(dx + e, v[0]);
   }
 };
 
 void bias_dropout_residual_forward(DType dt, const void* x, const void* bias, const void* residual, void* out,
-                                   uint8_t* mask, int64_t rows, int hidden, float p, RngState rng,
-                                   cudaStream_t stream) {
+                                   int64_t rows, int hidden, float p, RngState rng, cudaStream_t stream) {
   LS_DISPATCH(dt, {
     const bool vec = hidden % kVec<T> == 0 && aligned16(x) && aligned16(bias) && aligned16(residual);
-    dropout_map<T>(BdrForward<T>{(const T*)x, (const T*)bias, (const T*)residual, hidden}, vec, (T*)out, mask,
-                   rows, hidden, p, rng, stream);
+    dropout_map<T>(BdrForward<T>{(const T*)x, (const T*)bias, (const T*)residual, hidden}, vec, (T*)out, rows,
+                   hidden, p, rng, stream);
   })
 }
 
-void bias_dropout_residual_backward(DType dt, const void* dout, const uint8_t* mask, void* dx, GradOut dbias,
+void bias_dropout_residual_backward(DType dt, const void* dout, const RngState* rng, void* dx, GradOut dbias,
                                     float* partial, int64_t rows, int hidden, float p, cudaStream_t stream) {
   LS_DISPATCH(dt, {
-    BdrBackwardMap<T> f{(const T*)dout, mask, (T*)dx, hidden, p > 0.f ? 1.f / (1.f - p) : 1.f};
+    BdrBackwardMap<T> f{(const T*)dout, redraw(rng, p), (T*)dx, hidden, p};
     map_column_sum<T, 1>(f, aligned16(dout) && aligned16(dx), GradOuts<1>{{dbias}}, partial, rows, hidden, stream);
   })
 }

@@ -77,19 +77,46 @@ ls::RngState philox_state() {
   return ls::RngState{st.seed_.val, st.offset_.val, nullptr};
 }
 
-// The keep-mask for a dropout call: the given one, or a new one drawn from Philox.
-std::pair<std::optional<Tensor>, ls::RngState> dropout_mask(const std::optional<Tensor>& given, double p,
-                                                            const Tensor& like) {
-  if (p == 0.0) return {std::nullopt, ls::RngState{0, 0, nullptr}};
-  if (given) return {given, ls::RngState{0, 0, given->data_ptr<uint8_t>()}};
-  return {torch::empty(like.sizes(), like.options().dtype(at::kByte)), philox_state()};
+// A dropout call, as its backward needs it: the Philox state its forward drew the keep-bits
+// with (or the given mask, held here), which the backward kernel draws again; no mask is
+// stored. mask() writes the keep-mask out (for tests and inspection).
+struct Dropout {
+  ls::RngState rng;
+  std::optional<Tensor> given;
+  std::vector<int64_t> shape;
+  double p;
+  c10::Device device;
+
+  Tensor mask() const {
+    if (given) return *given;
+    const c10::cuda::CUDAGuard guard(device);
+    auto out = torch::empty(shape, torch::TensorOptions().dtype(at::kByte).device(device));
+    ls::dropout_keep_mask(rng, out.numel(), float(p), out.data_ptr<uint8_t>(), stream());
+    CHECK_CUDA_OK();
+    return out;
+  }
+};
+
+// The dropout of a forward call over `like`'s elements: none at p = 0, else the given mask's or the
+// next Philox state of torch's generator.
+std::optional<Dropout> draw_dropout(const std::optional<Tensor>& given, double p, const Tensor& like) {
+  if (p == 0.0) return std::nullopt;
+  const std::vector<int64_t> shape(like.sizes().begin(), like.sizes().end());
+  if (given) return Dropout{ls::RngState{0, 0, given->data_ptr<uint8_t>()}, given, shape, p, like.device()};
+  return Dropout{philox_state(), std::nullopt, shape, p, like.device()};
 }
 
-uint8_t* written_mask(const std::optional<Tensor>& given, const std::optional<Tensor>& mask) {
-  return (mask && !given) ? mask->data_ptr<uint8_t>() : nullptr;
+// The forward's keep-bits for a backward over `like`'s elements at rate p (nullptr: no dropout
+// given, every element kept), checked to be that call's.
+const ls::RngState* redrawn(const std::optional<Dropout>& dropout, const Tensor& like, double p, const char* op) {
+  if (!dropout) return nullptr;
+  TORCH_CHECK(dropout->shape == like.sizes(), op, ": dropout was drawn over shape ", at::IntArrayRef(dropout->shape),
+              ", the gradient has shape ", like.sizes());
+  TORCH_CHECK(dropout->device == like.device(), op, ": dropout was drawn on ", dropout->device, ", the gradient is on ",
+              like.device());
+  TORCH_CHECK(dropout->p == p, op, ": dropout was drawn at p = ", dropout->p, ", the backward was given p = ", p);
+  return &dropout->rng;
 }
-
-const uint8_t* mask_ptr(const std::optional<Tensor>& mask) { return mask ? mask->data_ptr<uint8_t>() : nullptr; }
 
 // A parameter's gradient: `into` (checked against `like`'s dtype and device and
 // `shape`), which the kernel accumulates into, or a new tensor it writes
@@ -175,9 +202,9 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const T
 }
 
 // ---- bias_dropout_residual ----
-std::tuple<Tensor, std::optional<Tensor>> bias_dropout_residual_forward(const Tensor& x, const Tensor& bias,
-                                                                        const Tensor& residual, double p,
-                                                                        const std::optional<Tensor>& given) {
+std::tuple<Tensor, std::optional<Dropout>> bias_dropout_residual_forward(const Tensor& x, const Tensor& bias,
+                                                                         const Tensor& residual, double p,
+                                                                         const std::optional<Tensor>& given) {
   check(x, "x");
   const int hidden = hidden_of(x, "x");
   check_like(bias, x, "bias", "x");
@@ -188,32 +215,32 @@ std::tuple<Tensor, std::optional<Tensor>> bias_dropout_residual_forward(const Te
   check_mask(given, x, "mask");
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = torch::empty_like(x);
-  auto [mask, rng] = dropout_mask(given, p, x);
+  auto dropout = draw_dropout(given, p, x);
   ls::bias_dropout_residual_forward(dtype_of(x, "x"), x.data_ptr(), bias.data_ptr(), residual.data_ptr(),
-                                    out.data_ptr(), written_mask(given, mask), x.numel() / hidden, hidden, float(p),
-                                    rng, stream());
+                                    out.data_ptr(), x.numel() / hidden, hidden, float(p),
+                                    dropout ? dropout->rng : ls::RngState{}, stream());
   CHECK_CUDA_OK();
-  return {out, mask};
+  return {out, dropout};
 }
 
-std::tuple<Tensor, Tensor> bias_dropout_residual_backward(const Tensor& dout, const std::optional<Tensor>& mask,
+std::tuple<Tensor, Tensor> bias_dropout_residual_backward(const Tensor& dout, const std::optional<Dropout>& dropout,
                                                           double p, const std::optional<Tensor>& dbias_into) {
   check(dout, "dout");
   const int hidden = hidden_of(dout, "dout");
-  check_mask(mask, dout, "mask");
+  const ls::RngState* rng = redrawn(dropout, dout, p, "bias_dropout_residual");
   const c10::cuda::CUDAGuard guard(dout.device());
   const int64_t rows = dout.numel() / hidden;
   auto dx = torch::empty_like(dout);
   auto [dbias, dbias_out] = grad_out(dbias_into, dout, {hidden}, "dbias_into");
   auto partial = column_sum_partial(1, rows, hidden, hidden, dout, "bias_dropout_residual");
-  ls::bias_dropout_residual_backward(dtype_of(dout, "dout"), dout.data_ptr(), mask_ptr(mask), dx.data_ptr(), dbias_out,
+  ls::bias_dropout_residual_backward(dtype_of(dout, "dout"), dout.data_ptr(), rng, dx.data_ptr(), dbias_out,
                                      partial.data_ptr<float>(), rows, hidden, float(p), stream());
   CHECK_CUDA_OK();
   return {dx, dbias};
 }
 
 // ---- bias_dropout_residual_layer_norm ----
-std::tuple<Tensor, Tensor, Tensor, Tensor, std::optional<Tensor>> bias_dropout_residual_layer_norm_forward(
+std::tuple<Tensor, Tensor, Tensor, Tensor, std::optional<Dropout>> bias_dropout_residual_layer_norm_forward(
     const Tensor& h, const Tensor& bias, const Tensor& residual, const Tensor& weight, const Tensor& ln_bias,
     double eps, double p, const std::optional<Tensor>& given) {
   check(h, "h");
@@ -232,25 +259,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::optional<Tensor>> bias_dropout_r
   auto y = torch::empty_like(h);
   auto mean = torch::empty({rows}, h.options().dtype(at::kFloat));
   auto rstd = torch::empty({rows}, h.options().dtype(at::kFloat));
-  auto [mask, rng] = dropout_mask(given, p, h);
+  auto dropout = draw_dropout(given, p, h);
   ls::bias_dropout_residual_layer_norm_forward(dtype_of(h, "h"), h.data_ptr(), bias.data_ptr(), residual.data_ptr(),
                                                weight.data_ptr(), ln_bias.data_ptr(), x.data_ptr(), y.data_ptr(),
-                                               written_mask(given, mask), mean.data_ptr<float>(),
-                                               rstd.data_ptr<float>(), rows, hidden, float(eps), float(p), rng,
+                                               mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, hidden,
+                                               float(eps), float(p), dropout ? dropout->rng : ls::RngState{},
                                                stream());
   CHECK_CUDA_OK();
-  return {y, x, mean, rstd, mask};
+  return {y, x, mean, rstd, dropout};
 }
 
 // LayerNorm's backward (dx: the residual's gradient), then bias_dropout_residual's (dh, dbias)
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_residual_layer_norm_backward(
     const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
-    const std::optional<Tensor>& mask, double p, const std::optional<Tensor>& dweight_into,
+    const std::optional<Dropout>& dropout, double p, const std::optional<Tensor>& dweight_into,
     const std::optional<Tensor>& dln_bias_into, const std::optional<Tensor>& dbias_into) {
   const int hidden = hidden_of(x, "x");
   const int64_t rows = check_layer_norm_backward(dy, x, weight, mean, rstd, hidden);
-  check_mask(mask, x, "mask");
   check_probability(p, "bias_dropout_residual_layer_norm");
+  const ls::RngState* rng = redrawn(dropout, x, p, "bias_dropout_residual_layer_norm");
   const c10::cuda::CUDAGuard guard(x.device());
   auto dx = torch::empty_like(x);
   auto dh = torch::empty_like(x);
@@ -259,7 +286,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_residual_layer_n
   auto [dbias, dbias_out] = grad_out(dbias_into, x, {hidden}, "dbias_into");
   auto partial = column_sum_partial(3, rows, hidden, hidden, x, "bias_dropout_residual_layer_norm");
   ls::bias_dropout_residual_layer_norm_backward(dtype_of(x, "x"), dy.data_ptr(), x.data_ptr(), weight.data_ptr(),
-                                                mean.data_ptr<float>(), rstd.data_ptr<float>(), mask_ptr(mask),
+                                                mean.data_ptr<float>(), rstd.data_ptr<float>(), rng,
                                                 float(p), dx.data_ptr(), dh.data_ptr(), dweight_out, dln_bias_out,
                                                 dbias_out, partial.data_ptr<float>(), rows, hidden, stream());
   CHECK_CUDA_OK();
@@ -273,9 +300,9 @@ int activation_id(const std::string& activation) {
   return activation == "relu" ? 0 : 1;
 }
 
-std::tuple<Tensor, std::optional<Tensor>> bias_act_dropout_forward(const Tensor& x, const Tensor& bias,
-                                                                   const std::string& activation, double p,
-                                                                   const std::optional<Tensor>& given) {
+std::tuple<Tensor, std::optional<Dropout>> bias_act_dropout_forward(const Tensor& x, const Tensor& bias,
+                                                                    const std::string& activation, double p,
+                                                                    const std::optional<Tensor>& given) {
   check(x, "x");
   const int hidden = hidden_of(x, "x");
   check_like(bias, x, "bias", "x");
@@ -285,16 +312,17 @@ std::tuple<Tensor, std::optional<Tensor>> bias_act_dropout_forward(const Tensor&
   const int act = activation_id(activation);
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = torch::empty_like(x);
-  auto [mask, rng] = dropout_mask(given, p, x);
-  ls::bias_act_dropout_forward(dtype_of(x, "x"), x.data_ptr(), bias.data_ptr(), out.data_ptr(),
-                               written_mask(given, mask), x.numel() / hidden, hidden, act, float(p), rng, stream());
+  auto dropout = draw_dropout(given, p, x);
+  ls::bias_act_dropout_forward(dtype_of(x, "x"), x.data_ptr(), bias.data_ptr(), out.data_ptr(), x.numel() / hidden,
+                               hidden, act, float(p), dropout ? dropout->rng : ls::RngState{}, stream());
   CHECK_CUDA_OK();
-  return {out, mask};
+  return {out, dropout};
 }
 
 std::tuple<Tensor, Tensor> bias_act_dropout_backward(const Tensor& dout, const Tensor& x,
                                                      const std::optional<Tensor>& bias,
-                                                     const std::optional<Tensor>& mask, const std::string& activation,
+                                                     const std::optional<Dropout>& dropout,
+                                                     const std::string& activation,
                                                      double p, const std::optional<Tensor>& dbias_into) {
   check(x, "x");
   const int hidden = hidden_of(x, "x");
@@ -304,7 +332,7 @@ std::tuple<Tensor, Tensor> bias_act_dropout_backward(const Tensor& dout, const T
     check_like(*bias, x, "bias", "x");
     check_shape(*bias, {hidden}, "bias");
   }
-  check_mask(mask, x, "mask");
+  const ls::RngState* rng = redrawn(dropout, x, p, "bias_act_dropout");
   const int act = activation_id(activation);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.numel() / hidden;
@@ -312,14 +340,14 @@ std::tuple<Tensor, Tensor> bias_act_dropout_backward(const Tensor& dout, const T
   auto [dbias, dbias_out] = grad_out(dbias_into, x, {hidden}, "dbias_into");
   auto partial = column_sum_partial(1, rows, hidden, hidden, x, "bias_act_dropout");
   ls::bias_act_dropout_backward(dtype_of(x, "x"), dout.data_ptr(), x.data_ptr(), bias ? bias->data_ptr() : nullptr,
-                                mask_ptr(mask), dx.data_ptr(), dbias_out, partial.data_ptr<float>(), rows, hidden, act,
+                                rng, dx.data_ptr(), dbias_out, partial.data_ptr<float>(), rows, hidden, act,
                                 float(p), stream());
   CHECK_CUDA_OK();
   return {dx, dbias};
 }
 
 // ---- softmax ----
-std::tuple<Tensor, Tensor, std::optional<Tensor>> softmax_forward(const Tensor& scores,
+std::tuple<Tensor, Tensor, std::optional<Dropout>> softmax_forward(const Tensor& scores,
                                                                   const std::optional<Tensor>& key_padding_mask,
                                                                   bool causal, double p,
                                                                   const std::optional<Tensor>& given) {
@@ -338,24 +366,24 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> softmax_forward(const Tensor& 
   check_mask(given, scores, "mask");
   const c10::cuda::CUDAGuard guard(scores.device());
   auto probs = torch::empty_like(scores);
-  auto [mask, rng] = dropout_mask(given, p, scores);
+  auto dropout = draw_dropout(given, p, scores);
   auto out = p > 0.0 ? torch::empty_like(scores) : probs;
   ls::softmax_forward(dtype_of(scores, "scores"), scores.data_ptr(), key_padding_mask ? kpm.data_ptr<uint8_t>() : nullptr,
-                      causal, out.data_ptr(), probs.data_ptr(), written_mask(given, mask), int(B), int(H), int(Tq),
-                      int(Tk), float(p), rng, stream());
+                      causal, out.data_ptr(), probs.data_ptr(), int(B), int(H), int(Tq), int(Tk), float(p),
+                      dropout ? dropout->rng : ls::RngState{}, stream());
   CHECK_CUDA_OK();
-  return {out, probs, mask};
+  return {out, probs, dropout};
 }
 
-Tensor softmax_backward(const Tensor& dout, const Tensor& probs, const std::optional<Tensor>& mask, double p) {
+Tensor softmax_backward(const Tensor& dout, const Tensor& probs, const std::optional<Dropout>& dropout, double p) {
   check(probs, "probs");
   check_like(dout, probs, "dout", "probs");
   check_shape(dout, probs.sizes(), "dout");
-  check_mask(mask, probs, "mask");
+  const ls::RngState* rng = redrawn(dropout, probs, p, "softmax");
   const c10::cuda::CUDAGuard guard(probs.device());
   const int tk = int(probs.size(-1));
   auto ds = torch::empty_like(probs);
-  ls::softmax_backward(dtype_of(probs, "probs"), dout.data_ptr(), probs.data_ptr(), mask_ptr(mask), ds.data_ptr(),
+  ls::softmax_backward(dtype_of(probs, "probs"), dout.data_ptr(), probs.data_ptr(), rng, ds.data_ptr(),
                        tk ? probs.numel() / tk : 0, tk, float(p), stream());
   CHECK_CUDA_OK();
   return ds;
@@ -431,7 +459,7 @@ void check_ids(const Tensor& ids, const char* name) {
   TORCH_CHECK(ids.scalar_type() == at::kLong, name, " must be int64, got ", ids.scalar_type());
 }
 
-std::tuple<Tensor, std::optional<Tensor>> embedding_forward(const Tensor& tokens, const Tensor& positions,
+std::tuple<Tensor, std::optional<Dropout>> embedding_forward(const Tensor& tokens, const Tensor& positions,
                                                             const Tensor& weight, const Tensor& pos_weight,
                                                             double scale, int64_t padding_idx, double p,
                                                             const std::optional<Tensor>& given) {
@@ -450,16 +478,15 @@ std::tuple<Tensor, std::optional<Tensor>> embedding_forward(const Tensor& tokens
   const c10::cuda::CUDAGuard guard(weight.device());
   auto out = torch::empty(out_shape, weight.options());
   check_mask(given, out, "mask");
-  auto [mask, rng] = dropout_mask(given, p, out);
+  auto dropout = draw_dropout(given, p, out);
   ls::embedding_forward(dtype_of(weight, "weight"), tokens.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
-                        weight.data_ptr(), pos_weight.data_ptr(), out.data_ptr(),
-                        written_mask(given, mask), tokens.numel(), int(dim), float(scale), int(padding_idx), float(p),
-                        rng, stream());
+                        weight.data_ptr(), pos_weight.data_ptr(), out.data_ptr(), tokens.numel(), int(dim),
+                        float(scale), int(padding_idx), float(p), dropout ? dropout->rng : ls::RngState{}, stream());
   CHECK_CUDA_OK();
-  return {out, mask};
+  return {out, dropout};
 }
 
-Tensor table_gradient(const Tensor& dout, const std::optional<Tensor>& mask, const Tensor& ids, int64_t rows,
+Tensor table_gradient(const Tensor& dout, const ls::RngState* rng, const Tensor& ids, int64_t rows,
                       double scale, int64_t padding_idx, double p, const std::optional<Tensor>& into,
                       const char* name) {
   const int64_t dim = dout.size(-1);
@@ -469,7 +496,7 @@ Tensor table_gradient(const Tensor& dout, const std::optional<Tensor>& mask, con
   const auto flat = ids.reshape({-1}).contiguous();
   auto workspace = torch::empty({int64_t(ls::embedding_backward_workspace_bytes(flat.numel(), rows, int(dim)))},
                                 dout.options().dtype(at::kByte));
-  ls::embedding_backward(dtype_of(dout, "dout"), dout.data_ptr(), mask_ptr(mask), flat.data_ptr<int64_t>(),
+  ls::embedding_backward(dtype_of(dout, "dout"), dout.data_ptr(), rng, flat.data_ptr<int64_t>(),
                          workspace.data_ptr(), dtable_out, flat.numel(), rows, int(dim), float(scale),
                          int(padding_idx), float(p), stream());
   CHECK_CUDA_OK();
@@ -478,7 +505,7 @@ Tensor table_gradient(const Tensor& dout, const std::optional<Tensor>& mask, con
 
 std::tuple<Tensor, std::optional<Tensor>> embedding_backward(const Tensor& dout, const Tensor& tokens,
                                                              const Tensor& positions,
-                                                             const std::optional<Tensor>& mask, double scale,
+                                                             const std::optional<Dropout>& dropout, double scale,
                                                              int64_t padding_idx, double p, int64_t num_embeddings,
                                                              int64_t num_positions,
                                                              const std::optional<Tensor>& dweight_into,
@@ -486,12 +513,12 @@ std::tuple<Tensor, std::optional<Tensor>> embedding_backward(const Tensor& dout,
   check(dout, "dout");
   check_ids(tokens, "tokens");
   check_ids(positions, "positions");
-  check_mask(mask, dout, "mask");
+  const ls::RngState* rng = redrawn(dropout, dout, p, "embedding");
   const c10::cuda::CUDAGuard guard(dout.device());
-  auto dweight = table_gradient(dout, mask, tokens, num_embeddings, scale, padding_idx, p, dweight_into, "dweight_into");
+  auto dweight = table_gradient(dout, rng, tokens, num_embeddings, scale, padding_idx, p, dweight_into, "dweight_into");
   std::optional<Tensor> dpos;
   if (num_positions > 0)
-    dpos = table_gradient(dout, mask, positions, num_positions, 1.0, padding_idx, p, dpos_into, "dpos_into");
+    dpos = table_gradient(dout, rng, positions, num_positions, 1.0, padding_idx, p, dpos_into, "dpos_into");
   return {dweight, dpos};
 }
 
@@ -645,6 +672,9 @@ void scaled_grad_norm(const Tensor& grad, const Tensor& state, double factor, do
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ls_fairseq fused CUDA kernels (see ls_fairseq/ops for each op's contract)";
+  py::class_<Dropout>(m, "Dropout", "A dropout call's keep-bits, as its backward draws them again (no mask is stored)")
+      .def_property_readonly("p", [](const Dropout& d) { return d.p; })
+      .def("mask", &Dropout::mask, "the keep-mask (uint8, 1 = keep) the call drew, written out");
   m.def("layer_norm_forward", &layer_norm_forward);
   m.def("layer_norm_backward", &layer_norm_backward);
   m.def("bias_dropout_residual_layer_norm_forward", &bias_dropout_residual_layer_norm_forward);

@@ -205,6 +205,24 @@ __device__ __forceinline__ void keep_run(const RngState& rng, uint64_t e, float 
   }
 }
 
+// A dropout's keep-bits drawn again in a backward: the forward's state, or (`draw` false) every
+// element kept.
+struct Redraw {
+  RngState rng;
+  bool draw;
+  template <int N>
+  __device__ __forceinline__ void run(uint64_t e, float p, bool (&keep)[N]) const {
+    if (draw) {
+      keep_run<N>(rng, e, p, keep);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) keep[i] = true;
+    }
+  }
+};
+
+inline Redraw redraw(const RngState* rng, float p) { return rng && p > 0.f ? Redraw{*rng, true} : Redraw{{}, false}; }
+
 __device__ __forceinline__ bool keep1(const RngState& rng, uint64_t e, float p) {
   bool k[1];
   keep_run<1>(rng, e, p, k);

@@ -4,9 +4,8 @@
 // A thread takes V adjacent columns of a row (16-byte vectors when cols and every
 // pointer allow, else V = 1), a block's y index the rows: no division or modulo by
 // cols anywhere. The keep-mask comes from Philox (keep_run, a function of the element
-// index r * cols + c only, so any launch shape draws the same mask) and is stored as
-// one byte per element (only when p > 0 and `mask` is set: a given mask is not
-// rewritten). F provides
+// index r * cols + c only, so any launch shape draws the same mask, and a backward kernel
+// draws it again from the same RngState): it is never stored. F provides
 //   template <int N> void values(int64_t r, int c, float (&v)[N]) const;  // N elements from (r, c)
 //   template <int N> void finish(int64_t r, int c, float (&v)[N]) const;  // in place
 #pragma once
@@ -26,8 +25,7 @@ __device__ __forceinline__ void load_biased(const T* x, const T* bias, float (&v
 }
 
 template <typename T, int V, typename F>
-__global__ void dropout_map_kernel(F f, T* __restrict__ out, uint8_t* __restrict__ mask, int64_t rows, int cols,
-                                   float p, RngState rng) {
+__global__ void dropout_map_kernel(F f, T* __restrict__ out, int64_t rows, int cols, float p, RngState rng) {
   const int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
   if (c >= cols) return;
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
@@ -44,7 +42,6 @@ __global__ void dropout_map_kernel(F f, T* __restrict__ out, uint8_t* __restrict
     }
 #pragma unroll
     for (int i = 0; i < V; ++i) v[i] = keep[i] ? v[i] * scale : 0.f;
-    if (mask) store_mask<V>(mask + e, keep);
     f.template finish<V>(r, c, v);
     store<T, V>(out + e, v);
   }
@@ -53,14 +50,13 @@ __global__ void dropout_map_kernel(F f, T* __restrict__ out, uint8_t* __restrict
 // V = 16-byte vectors when `vectorizable` (cols a multiple of them, the functor's pointers
 // aligned), else one element per access.
 template <typename T, typename F>
-void dropout_map(F f, bool vectorizable, T* out, uint8_t* mask, int64_t rows, int cols, float p, RngState rng,
-                 cudaStream_t stream) {
+void dropout_map(F f, bool vectorizable, T* out, int64_t rows, int cols, float p, RngState rng, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
   constexpr int V = kVec<T>;
   auto launch = [&]<int N>() {
     const int vectors = cols / N, threads = vectors < 256 ? (vectors + 31) / 32 * 32 : 256;
     const dim3 grid(ceil_div(vectors, threads), unsigned(rows < 65535 ? rows : 65535));
-    dropout_map_kernel<T, N><<<grid, threads, 0, stream>>>(f, out, mask, rows, cols, p, rng);
+    dropout_map_kernel<T, N><<<grid, threads, 0, stream>>>(f, out, rows, cols, p, rng);
   };
   if (vectorizable && cols % V == 0 && aligned16(out))
     launch.template operator()<V>();

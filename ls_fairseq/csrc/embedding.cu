@@ -2,9 +2,9 @@
 // zero for padding tokens; pos_weight is the learned table or fairseq's
 // sinusoid table (ls_fairseq/ops/embedding.py passes it).
 // Fuses: lookup, scale, positional add, padding zeroing, dropout (Philox mask,
-// one byte per element kept for backward).
+// never stored: backward draws the keep-bits again from the forward's state).
 // Backward: dtable[t] = sum over tokens i with token_i = t != pad of
-// scale * dout[i] * mask / (1 - p), accumulated in fp32 without atomics, so the
+// scale * dout[i] * keep / (1 - p), accumulated in fp32 without atomics, so the
 // result is deterministic: the ids are sorted beforehand (a stable radix sort of
 // 32-bit keys over only the bits the table needs, 15 for a 32k vocabulary: up to
 // 12,288 ids in one block's shared memory, one launch; more with cub's device-wide
@@ -78,7 +78,7 @@ static_assert(kPieceRows == 32, "a piece's positions are one warp's lanes");
 
 template <typename T, int V, int ITEMS>
 __global__ void __launch_bounds__(32 * kPieceWarps)
-    embedding_backward_piece_kernel(const T* __restrict__ dout, const uint8_t* __restrict__ mask,
+    embedding_backward_piece_kernel(const T* __restrict__ dout, Redraw keeps,
                                     const int* __restrict__ sorted_ids, const int* __restrict__ order,
                                     T* __restrict__ dtable, bool accumulate, float* __restrict__ pieces, int64_t n,
                                     int dim, float scale, int padding_idx, float p) {
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(32 * kPieceWarps)
     float acc[ITEMS][V] = {};
     for (int r0 = 0; r0 < len; r0 += ROWS) {
       Pack<T, V> v[ROWS][ITEMS];
-      Pack<uint8_t, V> keep[ROWS][ITEMS];
+      bool keep[ROWS][ITEMS][V];
 #pragma unroll
       for (int u = 0; u < ROWS; ++u) {
         const int64_t row = __shfl_sync(0xffffffffu, my_row, (r0 + u) & 31);
@@ -112,8 +112,12 @@ __global__ void __launch_bounds__(32 * kPieceWarps)
           const int c = c0 + (it * 32 + lane) * V;
           const bool in = r0 + u < len && c < dim;
           v[u][it] = in ? *reinterpret_cast<const Pack<T, V>*>(dout + row * dim + c) : Pack<T, V>{};
-          keep[u][it] = in && mask ? *reinterpret_cast<const Pack<uint8_t, V>*>(mask + row * dim + c)
-                                   : Pack<uint8_t, V>{};
+          if (in) {
+            keeps.run<V>(row * dim + c, p, keep[u][it]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < V; ++i) keep[u][it][i] = false;
+          }
         }
       }
 #pragma unroll
@@ -122,7 +126,7 @@ __global__ void __launch_bounds__(32 * kPieceWarps)
         for (int it = 0; it < ITEMS; ++it)
 #pragma unroll
           for (int i = 0; i < V; ++i)
-            acc[it][i] += !mask || keep[u][it].v[i] ? to_f(v[u][it].v[i]) * drop : 0.f;
+            acc[it][i] += keep[u][it][i] ? to_f(v[u][it].v[i]) * drop : 0.f;
     }
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it) {
@@ -249,16 +253,16 @@ size_t embedding_backward_workspace_bytes(int64_t n, int64_t rows, int dim) {
 }
 
 void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions, const void* weight,
-                       const void* pos_weight, void* out, uint8_t* mask, int64_t n, int dim, float scale,
+                       const void* pos_weight, void* out, int64_t n, int dim, float scale,
                        int padding_idx, float p, RngState rng, cudaStream_t stream) {
   LS_DISPATCH(dt, {
     EmbForward<T> f{tokens, positions, (const T*)weight, (const T*)pos_weight, dim, padding_idx, scale};
     const bool vec = dim % kVec<T> == 0 && aligned16(weight) && aligned16(pos_weight);
-    dropout_map<T>(f, vec, (T*)out, mask, n, dim, p, rng, stream);
+    dropout_map<T>(f, vec, (T*)out, n, dim, p, rng, stream);
   })
 }
 
-void embedding_backward(DType dt, const void* dout, const uint8_t* mask, const int64_t* ids, void* workspace,
+void embedding_backward(DType dt, const void* dout, const RngState* rng, const int64_t* ids, void* workspace,
                         GradOut dtable, int64_t n, int64_t rows, int dim, float scale, int padding_idx, float p,
                         cudaStream_t stream) {
   if (n == 0) return;
@@ -278,7 +282,7 @@ void embedding_backward(DType dt, const void* dout, const uint8_t* mask, const i
       const int col_blocks = ceil_div(vectors, threads);
       auto pieces = [&]<int ITEMS>() {
         embedding_backward_piece_kernel<T, V, ITEMS><<<ceil_div(n, kPieceWarps), 32 * kPieceWarps, 0, stream>>>(
-            (const T*)dout, mask, bb.keys_out, bb.order_out, (T*)dtable.ptr, dtable.accumulate, bb.pieces, n, dim,
+            (const T*)dout, redraw(rng, p), bb.keys_out, bb.order_out, (T*)dtable.ptr, dtable.accumulate, bb.pieces, n, dim,
             scale, padding_idx, p);
       };
       if (vectors <= 32) pieces.template operator()<1>();

@@ -17,7 +17,10 @@ enum class DType { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 // compared on the same mask. Inside a CUDA graph capture the generator hands
 // out device pointers instead (seed_ptr, offset_ptr: torch rewrites them
 // before each replay, so every replay draws new masks) and this call's offset
-// within the graph.
+// within the graph. The keep-bit of element e is a function of the state and e
+// alone: a forward kernel draws it and a backward kernel draws it again from
+// the same state, so no mask is ever stored (LightSeq2 keeps a byte an element:
+// ~0.6 GiB of transformer-big's activations at 16,384 tokens).
 struct RngState {
   uint64_t seed;
   uint64_t offset;
@@ -41,30 +44,32 @@ void layer_norm_forward(DType dt, const void* x, const void* gamma, const void* 
 void layer_norm_backward(DType dt, const void* dy, const void* x, const void* gamma, const float* mean,
                          const float* rstd, void* dx, GradOut dgamma, GradOut dbeta, float* partial, int64_t rows,
                          int hidden, cudaStream_t stream);
-// x = residual + dropout(h + bias) (written, with the keep-mask unless rng gives one), then
+// x = residual + dropout(h + bias) (written), then
 // y = LayerNorm(x): bias_dropout_residual then layer_norm in one pass, the same bits
 void bias_dropout_residual_layer_norm_forward(DType dt, const void* h, const void* bias, const void* residual,
-                                              const void* gamma, const void* beta, void* x, void* y, uint8_t* mask,
-                                              float* mean, float* rstd, int64_t rows, int hidden, float eps, float p,
-                                              RngState rng, cudaStream_t stream);
+                                              const void* gamma, const void* beta, void* x, void* y, float* mean,
+                                              float* rstd, int64_t rows, int hidden, float eps, float p, RngState rng,
+                                              cudaStream_t stream);
 // its backward: LayerNorm's (dx, also the residual's gradient; dgamma, dbeta), then
-// bias_dropout_residual's (dh = dx * mask / (1 - p), dbias); partial: 3 x column_chunks(rows) x hidden
+// bias_dropout_residual's (dh = dx * keep / (1 - p), the forward's keep-bits drawn again from rng, dbias);
+// partial: 3 x column_chunks(rows) x hidden
 void bias_dropout_residual_layer_norm_backward(DType dt, const void* dy, const void* x, const void* gamma,
-                                               const float* mean, const float* rstd, const uint8_t* mask, float p,
+                                               const float* mean, const float* rstd, const RngState* rng, float p,
                                                void* dx, void* dh, GradOut dgamma, GradOut dbeta, GradOut dbias,
                                                float* partial, int64_t rows, int hidden, cudaStream_t stream);
 
 // bias_dropout_residual.cu
+// (a backward takes the forward's RngState and draws its keep-bits again; nullptr: every element kept, as
+// relu's backward from its output needs, its dropped elements being zero already)
 void bias_dropout_residual_forward(DType dt, const void* x, const void* bias, const void* residual, void* out,
-                                   uint8_t* mask, int64_t rows, int hidden, float p, RngState rng,
-                                   cudaStream_t stream);
-void bias_dropout_residual_backward(DType dt, const void* dout, const uint8_t* mask, void* dx, GradOut dbias,
+                                   int64_t rows, int hidden, float p, RngState rng, cudaStream_t stream);
+void bias_dropout_residual_backward(DType dt, const void* dout, const RngState* rng, void* dx, GradOut dbias,
                                     float* partial, int64_t rows, int hidden, float p, cudaStream_t stream);
 
 // bias_act_dropout.cu; activation 0 = relu, 1 = gelu; backward's bias may be nullptr (zero)
-void bias_act_dropout_forward(DType dt, const void* x, const void* bias, void* out, uint8_t* mask, int64_t rows,
-                              int hidden, int activation, float p, RngState rng, cudaStream_t stream);
-void bias_act_dropout_backward(DType dt, const void* dout, const void* x, const void* bias, const uint8_t* mask,
+void bias_act_dropout_forward(DType dt, const void* x, const void* bias, void* out, int64_t rows, int hidden,
+                              int activation, float p, RngState rng, cudaStream_t stream);
+void bias_act_dropout_backward(DType dt, const void* dout, const void* x, const void* bias, const RngState* rng,
                                void* dx, GradOut dbias, float* partial, int64_t rows, int hidden, int activation,
                                float p, cudaStream_t stream);
 
@@ -90,8 +95,8 @@ constexpr int64_t kMaxColumnSumCols = int64_t(kColumnCounters / (kMaxColumnChunk
 
 // softmax.cu: scores [B, heads, Tq, Tk]; key_padding [B, Tk] (nullptr: none)
 void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, bool causal, void* out, void* probs,
-                     uint8_t* mask, int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream);
-void softmax_backward(DType dt, const void* dout, const void* probs, const uint8_t* mask, void* dscores,
+                     int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream);
+void softmax_backward(DType dt, const void* dout, const void* probs, const RngState* rng, void* dscores,
                       int64_t rows, int tk, float p, cudaStream_t stream);
 
 // qkv.cu: x [B, T, parts * d] + bias -> out [parts, B, heads, T, d_head], or with token_major
@@ -111,14 +116,18 @@ void qkv_backward(DType dt, const void* const* dy, const PartStrides* dy_strides
 
 // embedding.cu: tokens/positions [n] (int64); pos_weight the learned or sinusoid table
 void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions, const void* weight,
-                       const void* pos_weight, void* out, uint8_t* mask, int64_t n, int dim, float scale,
+                       const void* pos_weight, void* out, int64_t n, int dim, float scale,
                        int padding_idx, float p, RngState rng, cudaStream_t stream);
 // ids: the n token (or position) ids, each below rows (the table's rows, fewer than 2^31);
 // workspace: embedding_backward_workspace_bytes(n, rows, dim) bytes (the sort, the run pieces' sums)
 size_t embedding_backward_workspace_bytes(int64_t n, int64_t rows, int dim);
-void embedding_backward(DType dt, const void* dout, const uint8_t* mask, const int64_t* ids, void* workspace,
+void embedding_backward(DType dt, const void* dout, const RngState* rng, const int64_t* ids, void* workspace,
                         GradOut dtable, int64_t n, int64_t rows, int dim, float scale, int padding_idx, float p,
                         cudaStream_t stream);
+
+// dropout.cu: the keep-mask (1 = keep) of n elements that a call with `rng` and p draws, written out (the
+// kernels never store it: for tests and inspection)
+void dropout_keep_mask(RngState rng, int64_t n, float p, uint8_t* out, cudaStream_t stream);
 
 // cross_entropy.cu: logits [n, vocab]
 void cross_entropy_forward(DType dt, const void* logits, const int64_t* target, float* loss, float* nll, float* lse,

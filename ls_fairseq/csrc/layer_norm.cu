@@ -41,8 +41,8 @@ __device__ __forceinline__ void row_sum2(float& a, float& b) {
 // The values a LayerNorm normalises. XRows: x itself. BdrRows: x = residual +
 // dropout(h + bias), the post-LN block's end (bias_dropout_residual_layer_norm), computed
 // in the order bias_dropout_residual's kernel uses and rounded to T as it stores them, so
-// both paths give the same bits; x and the keep-mask are written for backward, x + bias
-// and the dropped values never.
+// both paths give the same bits; x is written for backward, x + bias, the dropped values
+// and the keep-mask never (backward draws the keep-bits again).
 template <typename T>
 struct XRows {
   const T* x;
@@ -60,7 +60,6 @@ struct BdrRows {
   const T* bias;
   const T* residual;
   T* x;
-  uint8_t* mask;  // nullptr: not written (no dropout, or a given mask)
   float p;
   RngState rng;
   template <int V>
@@ -83,7 +82,6 @@ struct BdrRows {
     bool keep[V];
     values<V>(e, c, v, keep);
     store<T, V>(x + e, v);
-    if (mask) store_mask<V>(mask + e, keep);
   }
   // the value at a row's start (the statistics' shift), before any thread has stored it
   __device__ float at(int64_t e) const {
@@ -241,9 +239,9 @@ constexpr int kStripRows = 4;
 
 template <typename T>
 struct BdrTail {
-  const uint8_t* mask;  // the keep-mask, nullptr when p = 0
+  Redraw keeps;  // the forward's keep-bits
   T* dh;
-  float scale;  // 1 / (1 - p)
+  float p;
 };
 
 // Barrier 1 + group (0 is __syncthreads'), its id an immediate so that the kernel holds 1 +
@@ -338,10 +336,11 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
       store<T, V>(dx + e, o);
       if constexpr (BDR) {
         bool keep[V];
-        if (tail.mask) load_mask<V>(tail.mask + e, keep);
+        tail.keeps.template run<V>(e, tail.p, keep);
+        const float scale = tail.p > 0.f ? 1.f / (1.f - tail.p) : 1.f;
 #pragma unroll
         for (int i = 0; i < V; ++i) {
-          o[i] = (!tail.mask || keep[i]) ? to_f(from_f<T>(o[i])) * tail.scale : 0.f;
+          o[i] = keep[i] ? to_f(from_f<T>(o[i])) * scale : 0.f;
           acc[it][2][i] += o[i];
         }
         store<T, V>(tail.dh + e, o);
@@ -408,11 +407,11 @@ void layer_norm_forward(DType dt, const void* x, const void* gamma, const void* 
 }
 
 void bias_dropout_residual_layer_norm_forward(DType dt, const void* h, const void* bias, const void* residual,
-                                              const void* gamma, const void* beta, void* x, void* y, uint8_t* mask,
-                                              float* mean, float* rstd, int64_t rows, int hidden, float eps, float p,
-                                              RngState rng, cudaStream_t stream) {
+                                              const void* gamma, const void* beta, void* x, void* y, float* mean,
+                                              float* rstd, int64_t rows, int hidden, float eps, float p, RngState rng,
+                                              cudaStream_t stream) {
   LS_DISPATCH(dt, {
-    const BdrRows<T> in{(const T*)h, (const T*)bias, (const T*)residual, (T*)x, mask, p, rng};
+    const BdrRows<T> in{(const T*)h, (const T*)bias, (const T*)residual, (T*)x, p, rng};
     const bool vec = aligned16(h) && aligned16(bias) && aligned16(residual) && aligned16(x);
     ln_forward_rows<T>(in, vec, (const T*)gamma, (const T*)beta, (T*)y, mean, rstd, rows, hidden, eps, stream);
   })
@@ -475,7 +474,7 @@ void layer_norm_backward(DType dt, const void* dy, const void* x, const void* ga
 }
 
 void bias_dropout_residual_layer_norm_backward(DType dt, const void* dy, const void* x, const void* gamma,
-                                               const float* mean, const float* rstd, const uint8_t* mask, float p,
+                                               const float* mean, const float* rstd, const RngState* rng, float p,
                                                void* dx, void* dh, GradOut dgamma, GradOut dbeta, GradOut dbias,
                                                float* partial, int64_t rows, int hidden, cudaStream_t stream) {
   bool fused = false;
@@ -483,7 +482,7 @@ void bias_dropout_residual_layer_norm_backward(DType dt, const void* dy, const v
     const bool vec = hidden % kVec<T> == 0 && aligned16(dy) && aligned16(x) && aligned16(gamma) && aligned16(dx) &&
                      aligned16(dh);
     if (strips_fit<T>(hidden, rows, vec)) {
-      const BdrTail<T> tail{mask, (T*)dh, p > 0.f ? 1.f / (1.f - p) : 1.f};
+      const BdrTail<T> tail{redraw(rng, p), (T*)dh, p};
       ln_backward_strips<T, true>((const T*)dy, (const T*)x, (const T*)gamma, mean, rstd, (T*)dx, tail,
                                   GradOuts<3>{{dgamma, dbeta, dbias}}, partial, rows, hidden, stream);
       fused = true;
@@ -491,7 +490,7 @@ void bias_dropout_residual_layer_norm_backward(DType dt, const void* dy, const v
   })
   if (fused) return;
   layer_norm_backward(dt, dy, x, gamma, mean, rstd, dx, dgamma, dbeta, partial, rows, hidden, stream);
-  bias_dropout_residual_backward(dt, dx, mask, dh, dbias, partial + int64_t(2) * column_chunks(rows) * hidden, rows,
+  bias_dropout_residual_backward(dt, dx, rng, dh, dbias, partial + int64_t(2) * column_chunks(rows) * hidden, rows,
                                  hidden, p, stream);
 }
 

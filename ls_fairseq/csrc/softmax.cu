@@ -9,8 +9,9 @@
 // multiple of 8 (and the pointers allow), a lane owns 8 consecutive keys per
 // item group: 16-byte loads and stores, one Philox call per 8 keep-bits;
 // otherwise lanes interleave key by key.
-// Writes probs (backward needs them) and, with dropout, the dropped copy and a
-// one-byte keep-mask. Backward: dp = dout * mask / (1 - p);
+// Writes probs (backward needs them) and, with dropout, the dropped copy; the
+// keep-mask never (backward draws the keep-bits again from the forward's Philox
+// state). Backward: dp = dout * keep / (1 - p);
 // dscores = probs * (dp - sum_j dp_j * probs_j).
 #include "common.cuh"
 
@@ -77,8 +78,7 @@ __device__ __forceinline__ int key_of(int lane, int k) {
 // GROUP lanes per row (32 / GROUP rows per warp), ITEMS keys per lane, the row in registers.
 template <typename T, int ITEMS, int GROUP, bool CONTIG>
 __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
-                                            T* __restrict__ probs, uint8_t* __restrict__ mask, int64_t rows, float p,
-                                            RngState rng) {
+                                            T* __restrict__ probs, int64_t rows, float p, RngState rng) {
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
   const int lane = threadIdx.x % GROUP, tk = info.tk;
   const bool valid = row < rows;  // every lane stays for the shuffles
@@ -126,7 +126,6 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
       bool keep[N];
       if constexpr (CONTIG) keep_run<8>(rng, e, p, keep);
       else keep[0] = keep1(rng, e, p);
-      if (mask) store_mask<N>(mask + e, keep);
 #pragma unroll
       for (int i = 0; i < N; ++i) pr[i] = keep[i] ? pr[i] * scale : 0.f;
       store<T, N>(out + e, pr);
@@ -136,8 +135,7 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
 
 template <typename T>
 __global__ void softmax_forward_block_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
-                                             T* __restrict__ probs, uint8_t* __restrict__ mask, float p,
-                                             RngState rng) {
+                                             T* __restrict__ probs, float p, RngState rng) {
   const int64_t row = blockIdx.x;
   const int tk = info.tk;
   const T* s = scores + row * tk;
@@ -158,16 +156,14 @@ __global__ void softmax_forward_block_kernel(const T* __restrict__ scores, RowIn
     probs[row * tk + j] = pr;
     if (p > 0.f) {
       const bool keep = keep1(rng, row * tk + j, p);
-      if (mask) mask[row * tk + j] = keep;
       out[row * tk + j] = from_f<T>(keep ? to_f(pr) * scale : 0.f);
     }
   }
 }
 
 template <typename T, int ITEMS, int GROUP, bool CONTIG>
-__global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ probs,
-                                             const uint8_t* __restrict__ mask, T* __restrict__ ds, int64_t rows,
-                                             int tk, float p) {
+__global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ probs, Redraw keeps,
+                                             T* __restrict__ ds, int64_t rows, int tk, float p) {
   constexpr int N = CONTIG ? 8 : 1;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
   const int lane = threadIdx.x % GROUP;
@@ -184,12 +180,12 @@ __global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T
     if (in) {
       load<T, N>(probs + e, q);
       load<T, N>(dout + e, d);
-      if (mask) load_mask<N>(mask + e, keep);
+      keeps.run<N>(e, p, keep);
     }
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       pr[k0 + i] = in ? q[i] : 0.f;
-      dp[k0 + i] = in && (!mask || keep[i]) ? d[i] * scale : 0.f;
+      dp[k0 + i] = in && keep[i] ? d[i] * scale : 0.f;
       dot += dp[k0 + i] * pr[k0 + i];
     }
   }
@@ -207,18 +203,19 @@ __global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T
 }
 
 template <typename T>
-__global__ void softmax_backward_block_kernel(const T* __restrict__ dout, const T* __restrict__ probs,
-                                              const uint8_t* __restrict__ mask, T* __restrict__ ds, int tk, float p) {
+__global__ void softmax_backward_block_kernel(const T* __restrict__ dout, const T* __restrict__ probs, Redraw keeps,
+                                              T* __restrict__ ds, int tk, float p) {
   const int64_t base = int64_t(blockIdx.x) * tk;
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  auto dp = [&](int j) {
+    bool keep[1];
+    keeps.run<1>(base + j, p, keep);
+    return keep[0] ? to_f(dout[base + j]) * scale : 0.f;
+  };
   float dot = 0.f;
-  for (int j = threadIdx.x; j < tk; j += blockDim.x)
-    if (!mask || mask[base + j]) dot += to_f(dout[base + j]) * scale * to_f(probs[base + j]);
+  for (int j = threadIdx.x; j < tk; j += blockDim.x) dot += dp(j) * to_f(probs[base + j]);
   dot = block_sum(dot);
-  for (int j = threadIdx.x; j < tk; j += blockDim.x) {
-    const float dp = (!mask || mask[base + j]) ? to_f(dout[base + j]) * scale : 0.f;
-    ds[base + j] = from_f<T>(to_f(probs[base + j]) * (dp - dot));
-  }
+  for (int j = threadIdx.x; j < tk; j += blockDim.x) ds[base + j] = from_f<T>(to_f(probs[base + j]) * (dp(j) - dot));
 }
 
 // Calls launch.template operator()<ITEMS, GROUP, CONTIG>() with the row layout for tk (a
@@ -247,37 +244,36 @@ inline bool aligned_to(const void* p, int bytes) { return reinterpret_cast<uintp
 constexpr int kThreads = 128;
 
 void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, bool causal, void* out, void* probs,
-                     uint8_t* mask, int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream) {
+                     int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream) {
   const int64_t rows = int64_t(batch) * heads * tq;
   if (rows == 0 || tk == 0) return;
   RowInfo info{key_padding, causal, heads, tq, tk};
   LS_DISPATCH(dt, {
     const int run = 8 * sizeof(T);
     const bool contig = tk % 8 == 0 && aligned_to(scores, run) && aligned_to(probs, run) &&
-                        aligned_to(key_padding, 8) && (p == 0.f || (aligned_to(out, run) && aligned_to(mask, 8)));
+                        aligned_to(key_padding, 8) && (p == 0.f || aligned_to(out, run));
     const bool warp = with_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
       softmax_forward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
-          (const T*)scores, info, (T*)out, (T*)probs, mask, rows, p, rng);
+          (const T*)scores, info, (T*)out, (T*)probs, rows, p, rng);
     });
     if (!warp)
-      softmax_forward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)scores, info, (T*)out, (T*)probs, mask, p,
-                                                                 rng);
+      softmax_forward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)scores, info, (T*)out, (T*)probs, p, rng);
   })
 }
 
-void softmax_backward(DType dt, const void* dout, const void* probs, const uint8_t* mask, void* dscores,
+void softmax_backward(DType dt, const void* dout, const void* probs, const RngState* rng, void* dscores,
                       int64_t rows, int tk, float p, cudaStream_t stream) {
   if (rows == 0 || tk == 0) return;
+  const Redraw keeps = redraw(rng, p);
   LS_DISPATCH(dt, {
     const int run = 8 * sizeof(T);
-    const bool contig = tk % 8 == 0 && aligned_to(dout, run) && aligned_to(probs, run) && aligned_to(dscores, run) &&
-                        aligned_to(mask, 8);
+    const bool contig = tk % 8 == 0 && aligned_to(dout, run) && aligned_to(probs, run) && aligned_to(dscores, run);
     const bool warp = with_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
       softmax_backward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
-          (const T*)dout, (const T*)probs, mask, (T*)dscores, rows, tk, p);
+          (const T*)dout, (const T*)probs, keeps, (T*)dscores, rows, tk, p);
     });
     if (!warp)
-      softmax_backward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)dout, (const T*)probs, mask,
+      softmax_backward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)dout, (const T*)probs, keeps,
                                                                   (T*)dscores, tk, p);
   })
 }

@@ -1,15 +1,15 @@
 """out = dropout(act(x + bias)), act in {relu, gelu}: the FFN's first half.
 
-One pass reads x and bias and writes out and the keep-mask; x + bias and
-act(x + bias) are never stored. gelu is the exact erf form that fairseq's
-``gelu`` computes.
+One pass reads x and bias and writes out; x + bias, act(x + bias) and the
+keep-mask are never stored. gelu is the exact erf form that fairseq's ``gelu``
+computes.
 
 What backward keeps (LightSeq2's backward-dependency reuse): for relu only
 ``out``, which the FFN's second GEMM keeps anyway: out > 0 exactly where
 x + bias > 0 and the element was kept (a dropped one is 0), so
-dh = dout / (1 - p) * [out > 0] needs neither x nor the mask (3 of the 5 bytes
-per element that would be kept otherwise). gelu keeps x and the mask and
-recomputes x + bias.
+dh = dout / (1 - p) * [out > 0] needs neither x nor the keep-bits (and draws
+none). gelu keeps x, recomputes x + bias, and its kernel draws the forward's
+keep-bits again.
 """
 import math
 
@@ -65,24 +65,23 @@ class BiasActDropoutFunction(torch.autograd.Function):
             "bias_act_dropout", x, bias_act_dropout_forward_reference, bias_act_dropout_backward_reference
         )
         x = x.contiguous()
-        out, mask = fwd(x, bias, activation, p, mask)
+        out, dropout = fwd(x, bias, activation, p, mask)
         ctx.bwd, ctx.activation, ctx.p, ctx.bias = bwd, activation, p, bias
         ctx.from_output = activation == "relu"
-        ctx.save_for_backward(*((out,) if ctx.from_output else (x, mask)))
-        dispatch.mask_output(ctx, mask)
-        return out, mask
+        dispatch.save_with_dropout(ctx, (out if ctx.from_output else x,), None if ctx.from_output else dropout)
+        return out
 
     @staticmethod
-    def backward(ctx, dout, _dmask):
+    def backward(ctx, dout):
         if dout is None:
             return (None,) * 5
         into = dispatch.grad_in_place(ctx.bias)
-        if ctx.from_output:  # relu'(x + bias) * keep = [out > 0]: the backward with x = out, bias = 0, no mask
-            (out,) = ctx.saved_tensors
+        if ctx.from_output:  # relu'(x + bias) * keep = [out > 0]: the backward with x = out, bias = 0, no dropout
+            (out,), _ = dispatch.saved_with_dropout(ctx)
             dx, dbias = ctx.bwd(dout.contiguous(), out, None, None, "relu", ctx.p, into)
         else:
-            x, mask = ctx.saved_tensors
-            dx, dbias = ctx.bwd(dout.contiguous(), x, ctx.bias, mask, ctx.activation, ctx.p, into)
+            (x,), dropout = dispatch.saved_with_dropout(ctx)
+            dx, dbias = ctx.bwd(dout.contiguous(), x, ctx.bias, dropout, ctx.activation, ctx.p, into)
         return dx, dispatch.for_autograd(dbias, into), None, None, None
 
 
@@ -94,5 +93,4 @@ def bias_act_dropout(x, bias, activation="relu", p=0.0, training=True, mask=None
             "bias_act_dropout: bias {} must equal x's last dimension {}".format(tuple(bias.shape), x.shape[-1])
         )
     p = p if training else 0.0
-    out, _ = BiasActDropoutFunction.apply(x, bias, activation, p, mask if p > 0 else None)
-    return out
+    return BiasActDropoutFunction.apply(x, bias, activation, p, mask if p > 0 else None)

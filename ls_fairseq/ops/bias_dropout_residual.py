@@ -1,8 +1,9 @@
 """out = residual + dropout(x + bias): the tail of every attention and FFN block.
 
-One pass reads x, bias, residual and writes out and the keep-mask (1 byte per
-element); x + bias is never stored. Backward needs only the mask; the residual's
-gradient goes back to autograd, or to the block's first op (ops.residual).
+One pass reads x, bias, residual and writes out; x + bias and the keep-mask are
+never stored. Backward needs only the dropout (the kernel draws its keep-bits
+again); the residual's gradient goes back to autograd, or to the block's first
+op (ops.residual).
 """
 import torch
 
@@ -31,20 +32,19 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
             bias_dropout_residual_forward_reference,
             bias_dropout_residual_backward_reference,
         )
-        out, mask = fwd(x.contiguous(), bias, residual.contiguous(), p, mask)
+        out, dropout = fwd(x.contiguous(), bias, residual.contiguous(), p, mask)
         ctx.bwd, ctx.p, ctx.bias, ctx.residual_grad = bwd, p, bias, residual_grad
-        ctx.save_for_backward(mask)
-        dispatch.mask_output(ctx, mask)
-        return out, mask
+        dispatch.save_with_dropout(ctx, (), dropout)
+        return out
 
     @staticmethod
-    def backward(ctx, dout, _dmask):
+    def backward(ctx, dout):
         if dout is None:
             return (None,) * 6
-        (mask,) = ctx.saved_tensors
         dout = dout.contiguous()
         into = dispatch.grad_in_place(ctx.bias)
-        dx, dbias = ctx.bwd(dout, mask, ctx.p, into)
+        _, dropout = dispatch.saved_with_dropout(ctx)
+        dx, dbias = ctx.bwd(dout, dropout, ctx.p, into)
         # dout goes to a first op that only reads it (pre-LN's LayerNorm): one that accumulates into
         # it would need a copy, which costs what autograd's add does
         handoff = (ctx.residual_grad is not None and ctx.residual_grad.claimed == "read"
@@ -64,5 +64,4 @@ def bias_dropout_residual(x, bias, residual, p=0.0, training=True, mask=None, re
             )
         )
     p = p if training else 0.0
-    out, _ = BiasDropoutResidualFunction.apply(x, bias, residual, p, mask if p > 0 else None, residual_grad)
-    return out
+    return BiasDropoutResidualFunction.apply(x, bias, residual, p, mask if p > 0 else None, residual_grad)

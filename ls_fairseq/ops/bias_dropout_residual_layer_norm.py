@@ -36,20 +36,19 @@ class BiasDropoutResidualLayerNormFunction(torch.autograd.Function):
             "bias_dropout_residual_layer_norm", h, bias_dropout_residual_layer_norm_forward_reference,
             bias_dropout_residual_layer_norm_backward_reference,
         )
-        y, x, mean, rstd, mask = fwd(h.contiguous(), bias, residual.contiguous(), weight, ln_bias, eps, p, mask)
+        y, x, mean, rstd, dropout = fwd(h.contiguous(), bias, residual.contiguous(), weight, ln_bias, eps, p, mask)
         ctx.bwd, ctx.p, ctx.params, ctx.residual_grad = bwd, p, (bias, weight, ln_bias), residual_grad
-        ctx.save_for_backward(x, weight, mean, rstd, mask)
-        dispatch.mask_output(ctx, mask)
-        return y, mask
+        dispatch.save_with_dropout(ctx, (x, weight, mean, rstd), dropout)
+        return y
 
     @staticmethod
-    def backward(ctx, dy, _dmask):
+    def backward(ctx, dy):
         if dy is None:
             return (None,) * 9
-        x, weight, mean, rstd, mask = ctx.saved_tensors
+        (x, weight, mean, rstd), dropout = dispatch.saved_with_dropout(ctx)
         into = [dispatch.grad_in_place(t) for t in ctx.params]
-        dh, dbias, dx, dweight, dln_bias = ctx.bwd(dy.contiguous(), x, weight, mean, rstd, mask, ctx.p, into[1], into[2],
-                                                    into[0])
+        dh, dbias, dx, dweight, dln_bias = ctx.bwd(dy.contiguous(), x, weight, mean, rstd, dropout, ctx.p, into[1],
+                                                    into[2], into[0])
         dresidual = dx
         # the residual's gradient is LayerNorm's new dx, which nothing else holds: the block's first
         # op may take it as it is, even to accumulate into (ops.residual); not when dh is dx itself
@@ -75,6 +74,5 @@ def bias_dropout_residual_layer_norm(h, bias, residual, weight, ln_bias, p=0.0, 
                                                    tuple(weight.shape), tuple(ln_bias.shape))
         )
     p = p if training else 0.0
-    y, _ = BiasDropoutResidualLayerNormFunction.apply(h, bias, residual, weight, ln_bias, eps, p,
+    return BiasDropoutResidualLayerNormFunction.apply(h, bias, residual, weight, ln_bias, eps, p,
                                                       mask if p > 0 else None, residual_grad)
-    return y

@@ -176,13 +176,22 @@ def dropout_mask(shape, p, device):
     return torch.empty(shape, dtype=torch.uint8, device=device).bernoulli_(1.0 - p)
 
 
-def mask_output(ctx, mask):
-    """For an autograd Function that also returns its dropout keep-mask (uint8, or None): the mask
-    gets no gradient, and autograd does not make a zero one for it (a fill kernel per call) nor for
-    an unused output: backward then receives None there."""
-    if mask is not None:
-        ctx.mark_non_differentiable(mask)
+def save_with_dropout(ctx, tensors, dropout):
+    """``ctx.save_for_backward(*tensors)`` and what the backward needs to apply the forward's dropout:
+    the reference's uint8 keep-mask, saved with the tensors, or the kernel's ``_C.Dropout`` (the
+    Philox state the forward drew with: the backward kernel draws the keep-bits again, no mask is
+    stored), kept on ``ctx``; None without dropout. Autograd makes no zero gradient for an unused
+    output (backward then receives None). ``saved_with_dropout`` gives both back."""
+    ctx.mask_saved = torch.is_tensor(dropout)
+    ctx.save_for_backward(*tensors, *((dropout,) if ctx.mask_saved else ()))
+    ctx.dropout = None if ctx.mask_saved else dropout
     ctx.set_materialize_grads(False)
+
+
+def saved_with_dropout(ctx):
+    """(the tensors, the dropout) that ``save_with_dropout`` kept."""
+    saved = ctx.saved_tensors
+    return (saved[:-1], saved[-1]) if ctx.mask_saved else (saved, ctx.dropout)
 
 
 def apply_dropout(x, mask, p):

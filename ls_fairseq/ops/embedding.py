@@ -92,21 +92,20 @@ class EmbeddingFunction(torch.autograd.Function):
         )
         if fwd is not embedding_forward_reference:
             fwd = embedding_forward_kernel
-        out, mask = fwd(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask)
+        out, dropout = fwd(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask)
         ctx.bwd, ctx.weight, ctx.pos_weight = bwd, weight, pos_weight
         ctx.args = (scale, padding_idx, p, weight.shape[0], 0 if pos_weight is None else pos_weight.shape[0])
-        ctx.save_for_backward(tokens, positions, mask)
-        dispatch.mask_output(ctx, mask)
-        return out, mask
+        dispatch.save_with_dropout(ctx, (tokens, positions), dropout)
+        return out
 
     @staticmethod
-    def backward(ctx, dout, _dmask):
+    def backward(ctx, dout):
         if dout is None:
             return (None,) * 8
-        tokens, positions, mask = ctx.saved_tensors
+        (tokens, positions), dropout = dispatch.saved_with_dropout(ctx)
         into = dispatch.grad_in_place(ctx.weight)
         pos_into = None if ctx.pos_weight is None else dispatch.grad_in_place(ctx.pos_weight)
-        dweight, dpos = ctx.bwd(dout.contiguous(), tokens, positions, mask, *ctx.args, into, pos_into)
+        dweight, dpos = ctx.bwd(dout.contiguous(), tokens, positions, dropout, *ctx.args, into, pos_into)
         return None, None, dispatch.for_autograd(dweight, into), dispatch.for_autograd(dpos, pos_into), None, None, None, None
 
 
@@ -125,7 +124,6 @@ def embedding(tokens, positions, weight, pos_weight, scale, padding_idx, p=0.0, 
             )
         )
     p = p if training else 0.0
-    out, _ = EmbeddingFunction.apply(
+    return EmbeddingFunction.apply(
         tokens.contiguous(), positions.contiguous(), weight, pos_weight, scale, padding_idx, p, mask if p > 0 else None
     )
-    return out

@@ -4,7 +4,8 @@ scores [B, heads, Tq, Tk] -> probs (fp32 math, scores' dtype out). A key j is
 masked for query i when key_padding_mask[b, j] is set, or, with ``causal``,
 when j > i + (Tk - Tq). A row whose keys are all masked gives zeros (never
 NaN). Masks are never expanded to [B, heads, Tq, Tk] in memory. With dropout,
-the kept probabilities are written beside the undropped ones backward needs.
+the kept probabilities are written beside the undropped ones backward needs
+(the kernel's keep-mask never: its backward draws the keep-bits again).
 """
 import torch
 
@@ -45,18 +46,17 @@ class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, key_padding_mask, causal, p, mask):
         fwd, bwd = dispatch.implementation("softmax", scores, softmax_forward_reference, softmax_backward_reference)
-        out, probs, mask = fwd(scores.contiguous(), key_padding_mask, causal, p, mask)
+        out, probs, dropout = fwd(scores.contiguous(), key_padding_mask, causal, p, mask)
         ctx.bwd, ctx.p = bwd, p
-        ctx.save_for_backward(probs, mask)
-        dispatch.mask_output(ctx, mask)
-        return out, mask
+        dispatch.save_with_dropout(ctx, (probs,), dropout)
+        return out
 
     @staticmethod
-    def backward(ctx, dout, _dmask):
+    def backward(ctx, dout):
         if dout is None:
             return (None,) * 5
-        probs, mask = ctx.saved_tensors
-        return ctx.bwd(dout.contiguous(), probs, mask, ctx.p), None, None, None, None
+        (probs,), dropout = dispatch.saved_with_dropout(ctx)
+        return ctx.bwd(dout.contiguous(), probs, dropout, ctx.p), None, None, None, None
 
 
 def softmax(scores, key_padding_mask=None, causal=False, p=0.0, training=True, mask=None):
@@ -72,5 +72,4 @@ def softmax(scores, key_padding_mask=None, causal=False, p=0.0, training=True, m
             )
         )
     p = p if training else 0.0
-    out, _ = SoftmaxFunction.apply(scores, key_padding_mask, causal, p, mask if p > 0 else None)
-    return out
+    return SoftmaxFunction.apply(scores, key_padding_mask, causal, p, mask if p > 0 else None)
