@@ -1,6 +1,6 @@
 """``ls-fairseq-train``: fairseq-train with the plugin loaded, and bf16 on GPUs.
 
-The same command line as fairseq-train. Three differences:
+The same command line as fairseq-train. Four differences:
 - ``--user-dir`` pointing at this package is added when it is not given;
 - the trainer is ``ls_fairseq.trainer.LSTrainer`` (fairseq's, with ls_adam's
   mixed-precision step decided on the device: no host sync inside an update);
@@ -9,11 +9,16 @@ The same command line as fairseq-train. Three differences:
   GPU, so unless ``--tpu`` is on the command line the flag is taken back after
   parsing. fairseq's trainer then casts the model to bf16 and, with
   ``--memory-efficient-bf16``, hands ls_adam the bf16 workspace (no loss
-  scaling is needed in bf16).
+  scaling is needed in bf16);
+- training stops fairseq's batch-prefetch threads before the interpreter exits
+  (``stop_prefetch_threads``), so a run that ends mid-epoch exits with its own
+  status instead of an abort.
 """
 import logging
 import os
+import queue
 import sys
+import threading
 
 PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -45,6 +50,29 @@ def log_as_fairseq_train():
     )
 
 
+def stop_prefetch_threads(timeout=60.0):
+    """Stops fairseq's batch-prefetch threads (``--data-buffer-size``: a daemon thread per epoch
+    iterator that collates, and pins, the next batches). When training stops mid-epoch
+    (``--max-update``, an error), one may still be inside torch's C++ code as the interpreter shuts
+    down, and the thread's forced exit then aborts the process ("terminate called without an active
+    exception", exit status 134, after a successful run or in place of the error's status 1).
+    Each thread is told to stop after the batch in hand, and its queue drained so that it can."""
+    from fairseq.data.iterators import BackgroundConsumer
+
+    for thread in [t for t in threading.enumerate() if isinstance(t, BackgroundConsumer)]:
+        thread._max_len = 0  # checked after each batch it queues
+        thread.join(0)
+        while thread.is_alive():
+            try:
+                thread._queue.get(timeout=0.01)
+            except queue.Empty:
+                pass
+            thread.join(0)
+            timeout -= 0.01
+            if timeout <= 0:
+                break
+
+
 def cli_main():
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.distributed import utils as distributed_utils
@@ -63,7 +91,10 @@ def main(cfg, **kwargs):
 
     log_as_fairseq_train()  # again in a spawned worker, whose imports configured logging their way
     train.Trainer = LSTrainer  # the name fairseq-train's main() builds its trainer from
-    return train.main(cfg, **kwargs)
+    try:
+        return train.main(cfg, **kwargs)
+    finally:
+        stop_prefetch_threads()
 
 
 if __name__ == "__main__":
