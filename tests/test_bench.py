@@ -92,3 +92,17 @@ def test_table_gives_scaling_to_a_tenth_of_a_percent_and_kernel_launches_beside_
     two = dict(zip(header, rows[3]))
     assert two["scaling"] == "89.6%"  # not rounded up to the 90% it misses
     assert two["kernels/step"] == "649" and two["kernel launches/step"] == "550"
+
+
+def test_memory_peak_replays_the_allocation_history_to_its_peak():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import memory_peak
+
+    def alloc(addr, size, op):
+        return dict(action="alloc", addr=addr, size=size, frames=[dict(filename="/r/ls_fairseq/ops/" + op, line=7, name="forward")])
+
+    trace = [alloc(1, 100, "a.py"), alloc(2, 300, "b.py"), dict(action="free_completed", addr=1, size=100),
+             alloc(3, 50, "a.py"), alloc(4, 120, "c.py"), dict(action="free_completed", addr=4, size=120)]
+    peak, at, live = memory_peak.live_at_peak(trace)
+    assert (peak, at) == (470, 4) and sorted(live) == [2, 3, 4]
+    assert memory_peak.where(trace[4]) == "c.py:7 forward"

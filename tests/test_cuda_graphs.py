@@ -1,11 +1,12 @@
 """GraphedTrainStep's bookkeeping on the CPU, with a stand-in for torch's CUDA graphs (the replayed
-computation itself is compared with eager steps on the GPU in tests/test_cli.py)."""
+computation itself is compared with eager steps on the GPU in tests/test_cli.py), and on the GPU each
+dropout op replayed from a graph against its eager bits."""
 import contextlib
 
 import pytest
 import torch
 
-from ls_fairseq import cuda_graphs
+from ls_fairseq import cuda_graphs, ops
 from ls_fairseq.cuda_graphs import GraphedTrainStep
 
 
@@ -149,3 +150,62 @@ def test_a_failed_capture_ends_the_capture_and_names_the_operation_that_failed(g
     step(sample(2, 3, 0), *args, 0)
     with pytest.raises(RuntimeError, match="capturing the training step in a CUDA graph failed: operation not permitted"):
         step(sample(2, 3, 0), *args, 1)
+
+
+def _dropout_ops():
+    """op -> (the input whose gradient is checked, the op as a function of it), dropout 0.3, fp16 on the GPU."""
+    dev, dt = "cuda", torch.float16
+
+    def rand(*shape, grad=False):
+        return torch.randn(*shape, device=dev).to(dt).requires_grad_(grad)
+
+    b, r, w, lb = rand(512), rand(64, 512), rand(512), rand(512)
+    tokens = torch.randint(4, 100, (4, 16), device=dev)
+    tokens[0, -3:] = 1
+    positions = ops.make_positions(tokens, 1)
+    return {
+        "softmax": (rand(2, 4, 16, 16, grad=True), lambda t: ops.softmax(t, None, True, 0.3)),
+        "bias_dropout_residual": (rand(64, 512, grad=True), lambda t: ops.bias_dropout_residual(t, b, r, 0.3)),
+        "bias_act_dropout": (rand(64, 512, grad=True), lambda t: ops.bias_act_dropout(t, b, "gelu", 0.3)),
+        # hidden 512 in fp16: LayerNorm's strip kernel, which draws the keep-bits for the bias's gradient
+        "bias_dropout_residual_layer_norm": (rand(64, 512, grad=True),
+                                             lambda t: ops.bias_dropout_residual_layer_norm(t, b, r, w, lb, 0.3)),
+        "embedding": (rand(100, 512, grad=True), lambda t: ops.embedding(tokens, positions, t, None, 22.6, 1, 0.3)),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["softmax", "bias_dropout_residual", "bias_act_dropout",
+                                "bias_dropout_residual_layer_norm", "embedding"])
+def test_dropout_ops_replay_their_eager_bits(op):
+    """Forward and backward captured in a CUDA graph draw the keep-bits at replay from the generator's
+    graph-safe Philox state, the backward again from the forward's: a replay after reseeding gives the
+    eager call's output and gradient bit for bit, and the next replay other masks."""
+    from helpers import kernel
+
+    x, fn = _dropout_ops()[op]
+    kernel(op, x)
+    up = torch.randn_like(fn(x))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up away from the default stream, as capture wants
+        for _ in range(2):
+            x.grad = None
+            fn(x).backward(up)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.manual_seed(11)
+    x.grad = None
+    eager = fn(x)
+    eager.backward(up)
+    eager, eager_grad = eager.detach().clone(), x.grad.clone()
+    graph = torch.cuda.CUDAGraph()
+    x.grad = None
+    with torch.cuda.graph(graph):
+        out = fn(x)
+        out.backward(up)
+    torch.cuda.manual_seed(11)
+    graph.replay()
+    assert torch.equal(out, eager), "the replayed forward differs from the eager one"
+    assert torch.equal(x.grad, eager_grad), "the replayed backward differs from the eager one"
+    graph.replay()
+    assert not torch.equal(out, eager), "a second replay must draw other masks"
