@@ -185,7 +185,7 @@ def run(system, arch, max_tokens, gpus, data, epochs, work, steady_from=2):
     if hooks:
         result["peak_gib"] = hooks["peak_bytes"] / 2**30
         for key in ("kernels_per_step", "kernel_launches_per_step", "gpu_ms_per_step", "host_syncs_per_step",
-                    "host_sync_sites", "optimizer_ms_per_step"):
+                    "host_sync_sites", "optimizer_ms_per_step", "epoch_boundaries"):
             result[key] = hooks.get(key)
     if "wps" in result:
         result["mfu"] = result["wps"] * flops_per_target_token(arch) / (PEAK_TFLOPS * 1e12 * gpus)

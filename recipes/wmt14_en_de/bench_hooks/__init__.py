@@ -14,7 +14,12 @@
   between CUDA events, over the same steps);
 - where the time of those steps goes: the host's operators by self CPU time,
   the kernels by GPU time and by count, and the operators by input shape
-  (tables written beside the JSON file, .profile.txt).
+  (tables written beside the JSON file, .profile.txt);
+- what each epoch boundary costs (``epoch_boundaries``): on the host, from the
+  end of an epoch's last step to the next epoch's begin_epoch (fairseq's
+  end-of-epoch logging, which waits for the GPU, and the next iterator) and
+  from there to its first step (the first batch's loading); on the GPU, the
+  time between the last step's work and the first step's (CUDA events).
 
 Results go to the JSON file named by $BENCH_HOOKS_OUT at exit (rank 0's, under
 data-parallel training; the other ranks' beside it, as NAME.rankN.json). With
@@ -28,6 +33,7 @@ else about training changes.
 import atexit
 import json
 import os
+import time
 import traceback
 import warnings
 
@@ -57,10 +63,38 @@ _train_step, _begin_epoch = Trainer.train_step, Trainer.begin_epoch
 _profiler = {"prof": None, "steps": 0, "from": None}
 
 
+_boundary = {"step_end": None, "step_event": None, "begin": None, "pending": []}
+
+
 def _begin_last_epoch(self, epoch):
     if epoch == self.cfg.optimization.max_epoch:
         _profiler["from"] = self.get_num_updates() + PROFILE_SKIP
+    _boundary["begin"] = (epoch, time.perf_counter())
     return _begin_epoch(self, epoch)
+
+
+def _event():
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _timed_boundaries(step):
+    """``step`` with the epoch boundaries' host and GPU times recorded around it."""
+    def timed(self, samples, raise_oom=False):
+        begin, cuda = _boundary["begin"], torch.cuda.is_available()
+        if begin is not None and _boundary["step_end"] is not None:
+            epoch, begun = begin
+            _boundary["pending"].append(dict(
+                epoch=epoch, end_to_begin_ms=1000 * (begun - _boundary["step_end"]),
+                begin_to_first_step_ms=1000 * (time.perf_counter() - begun),
+                events=(_boundary["step_event"], _event()) if cuda else None))
+        _boundary["begin"] = None
+        out = step(self, samples, raise_oom)
+        _boundary["step_end"] = time.perf_counter()
+        _boundary["step_event"] = _event() if cuda else None
+        return out
+    return timed
 
 
 def _call_chain(limit=4):
@@ -122,16 +156,10 @@ def _profiled_train_step(self, samples, raise_oom=False):
     return out
 
 
-Trainer.train_step = _profiled_train_step
+Trainer.train_step = _timed_boundaries(_profiled_train_step)
 Trainer.begin_epoch = _begin_last_epoch
 _clip_grad_norm, _optimizer_step = Trainer.clip_grad_norm, FairseqTask.optimizer_step
 _optimizer_spans = {"start": None, "pairs": []}
-
-
-def _event():
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
 
 
 def _timing():
@@ -167,6 +195,11 @@ def _out_path(ext):
 def _write():
     if torch.cuda.is_available():
         _stats["peak_bytes"] = max(_stats["peak_bytes"], torch.cuda.max_memory_allocated())
+        torch.cuda.synchronize()
+    _stats["epoch_boundaries"] = [
+        dict({k: v for k, v in b.items() if k != "events"},
+             gpu_gap_ms=b["events"][0].elapsed_time(b["events"][1]) if b["events"] else None)
+        for b in _boundary["pending"]]
     path = _out_path(".json")
     if path:
         with open(path, "w") as f:
