@@ -4,13 +4,15 @@
 2. takes a stock model's initial weights (one stock update at a negligible learning
    rate) and converts them with `python -m ls_fairseq.convert from-fairseq`;
 3. trains stock `transformer_wmt_en_de` (fairseq-train --fp16 on a GPU, fp32 on CPU),
-   the same stock run with other dropout masks (parity_hooks: the noise floor, how far
-   two runs of one model drift apart through dropout alone) and
-   `ls_transformer_wmt_en_de` in each --systems precision (ls-fairseq-train) from those
-   weights (optimizer, scheduler, meters and data order reset) with dropout on; on a GPU
-   the runs share it, all at once;
-4. compares each ls run with the stock one: per-interval training losses from
-   --compare-from on, final validation losses, BLEU of fairseq-generate on the
+   on a GPU first with ls_fairseq's dropout masks (parity_ls_masks: each of its dropouts
+   draws the mask the kernels draw at that point of the update), then with its own, and
+   with other ones (parity_hooks: the noise floor, how far two runs of one model drift
+   apart through dropout alone), and `ls_transformer_wmt_en_de` in each --systems
+   precision (ls-fairseq-train) from those weights (optimizer, scheduler, meters and data
+   order reset) with dropout on; on a GPU the runs share it, all at once;
+4. compares each run with the first stock one (on a GPU the one with ls_fairseq's masks,
+   so that an ls run differs from it only by arithmetic): per-interval training losses
+   from --compare-from on, final validation losses, BLEU of fairseq-generate on the
    1,200-sentence test set; and, with dropout off, the losses of the first
    --first-steps updates (logged every update).
 
@@ -140,8 +142,12 @@ def train_all(args, data, write):
     restart = ["--reset-optimizer", "--reset-lr-scheduler", "--reset-meters", "--reset-dataloader", "--lr", "5e-4"]
     stock_name = "stock-fp16" if gpu else "stock-fp32"
     reseeded = ["--user-dir", os.path.join(REPO, "scripts", "parity_hooks")] + stock[2:]
-    runs = [(stock_name, "fairseq-train", stock, os.path.join(init_dir, "checkpoint_last.pt")),
-            (stock_name + "-reseeded", "fairseq-train", reseeded, os.path.join(init_dir, "checkpoint_last.pt"))]
+    ls_masks = ["--user-dir", os.path.join(REPO, "scripts", "parity_ls_masks")] + stock[2:]
+    stock_init = os.path.join(init_dir, "checkpoint_last.pt")
+    # the first run is the reference of every comparison
+    runs = [(stock_name + "-ls-masks", "fairseq-train", ls_masks, stock_init)] if gpu else []
+    runs += [(stock_name, "fairseq-train", stock, stock_init),
+             (stock_name + "-reseeded", "fairseq-train", reseeded, stock_init)]
     runs += [(name, "ls-fairseq-train", ls + PRECISION[name], ls_init) for name in systems]
     # every run of a phase at once on a GPU (they share it); one after another on CPU
     phases = [("", ["--dropout", "0.3", "--max-update", str(args.updates), "--log-interval", "50"])]
@@ -174,7 +180,7 @@ def train_all(args, data, write):
 
 
 def compare(results, compare_from, first_steps):
-    """Each ls run against the stock one: the report (for parity.json) and its Markdown table."""
+    """Each run against the first stock one: the report (for parity.json) and its Markdown table."""
     stock_name = next(n for n in results if n.startswith("stock"))  # the first: the reference run
     ref = results[stock_name]
     systems = [n for n in results if n != stock_name]

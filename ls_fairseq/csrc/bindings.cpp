@@ -106,6 +106,16 @@ std::optional<Dropout> draw_dropout(const std::optional<Tensor>& given, double p
   return Dropout{philox_state(), std::nullopt, shape, p, like.device()};
 }
 
+// A dropout over `like`'s elements drawn as the next kernel call would draw it (the generator
+// advances alike), for code outside the kernels that must apply the kernels' masks (the
+// parity run of stock fairseq with ls_fairseq's masks: scripts/parity_ls_masks).
+Dropout next_dropout(const Tensor& like, double p) {
+  TORCH_CHECK(like.is_cuda(), "draw_dropout: like must be a CUDA tensor, got one on ", like.device());
+  TORCH_CHECK(p > 0.0 && p < 1.0, "draw_dropout: p must be in (0, 1), got ", p);
+  const c10::cuda::CUDAGuard guard(like.device());
+  return *draw_dropout(std::nullopt, p, like);
+}
+
 // The forward's keep-bits for a backward over `like`'s elements at rate p (nullptr: no dropout
 // given, every element kept), checked to be that call's.
 const ls::RngState* redrawn(const std::optional<Dropout>& dropout, const Tensor& like, double p, const char* op) {
@@ -675,6 +685,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Dropout>(m, "Dropout", "A dropout call's keep-bits, as its backward draws them again (no mask is stored)")
       .def_property_readonly("p", [](const Dropout& d) { return d.p; })
       .def("mask", &Dropout::mask, "the keep-mask (uint8, 1 = keep) the call drew, written out");
+  m.def("draw_dropout", &next_dropout, "the Dropout the next kernel call over like's shape at rate p would draw");
   m.def("layer_norm_forward", &layer_norm_forward);
   m.def("layer_norm_backward", &layer_norm_backward);
   m.def("bias_dropout_residual_layer_norm_forward", &bias_dropout_residual_layer_norm_forward);
