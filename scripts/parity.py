@@ -13,8 +13,9 @@
 4. compares each run with the first stock one (on a GPU the one with ls_fairseq's masks,
    so that an ls run differs from it only by arithmetic): per-interval training losses
    from --compare-from on, final validation losses, BLEU of fairseq-generate on the
-   1,200-sentence test set; and, with dropout off, the losses of the first
-   --first-steps updates (logged every update).
+   1,200-sentence test set; and the losses of the first --first-steps updates (logged
+   every update) with dropout off and, on a GPU, with dropout on: against the run with
+   ls_fairseq's masks those agree to rounding only if the masks line up.
 
   python scripts/parity.py --out DIR [--updates 3000] [--systems ls-fp16-master,ls-bf16-master,...] [-- fairseq-train options]
   python scripts/parity.py --out DIR --rescore    # BLEU of DIR's hypotheses, where sacrebleu is installed
@@ -154,8 +155,10 @@ def train_all(args, data, write):
     if args.first_steps:
         # a small initial loss scale: stock fairseq does not count an overflowing fp16 step as an update, the
         # device-decided step of ls-fairseq-train does, and a skipped step would shift the two curves apart
-        phases.append((".first", ["--dropout", "0", "--max-update", str(args.first_steps), "--log-interval", "1",
-                                  "--fp16-init-scale", "4"]))
+        first = ["--max-update", str(args.first_steps), "--log-interval", "1", "--fp16-init-scale", "4"]
+        phases.append((".first", ["--dropout", "0"] + first))
+        if gpu:  # against the run with ls_fairseq's masks: rounding-level differences show the masks line up
+            phases.append((".first-dropout", ["--dropout", "0.3"] + first))
     logs = {}
     for suffix, options in phases:
         procs = []
@@ -169,7 +172,9 @@ def train_all(args, data, write):
         for name, proc, log in procs:
             logs[name] = finish(proc, log)
     results = {name: dict(losses=losses(logs[name]), valid_loss=valid_loss(logs[name]),
-                          first_losses=losses(logs.get(name + ".first", "")), bleu=None) for name, _, _, _ in runs}
+                          first_losses=losses(logs.get(name + ".first", "")),
+                          first_dropout_losses=losses(logs.get(name + ".first-dropout", "")), bleu=None)
+               for name, _, _, _ in runs}
     write(results)
     generating = [(name, start_generate(args.out, data, os.path.join(args.out, name, "checkpoint_last.pt"), name,
                                         ["--fp16"] if gpu else ["--cpu"], system[:2])) for name, _, system, _ in runs]
@@ -186,30 +191,37 @@ def compare(results, compare_from, first_steps):
     systems = [n for n in results if n != stock_name]
     report = dict(runs=results, comparisons={})
     lines = ["| system | updates | worst loss diff from {} | last quarter's mean loss | first {} steps, dropout off | "
-             "valid loss | BLEU | within bounds |".format(compare_from, first_steps),
-             "| --- | --- | --- | --- | --- | --- | --- | --- |",
-             "| {} | {} | - | {:.3f} | - | {} | {} | - |".format(stock_name, max(ref["losses"], default=0),
-                                                             last_quarter(ref["losses"]), ref["valid_loss"], ref["bleu"])]
+             "first {} steps, dropout on | valid loss | BLEU | within bounds |".format(compare_from, first_steps,
+                                                                                      first_steps),
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+             "| {} | {} | - | {:.3f} | - | - | {} | {} | - |".format(stock_name, max(ref["losses"], default=0),
+                                                                 last_quarter(ref["losses"]), ref["valid_loss"],
+                                                                 ref["bleu"])]
     for name in systems:
         r = results[name]
         shared = sorted(u for u in set(ref["losses"]) & set(r["losses"]) if u >= compare_from)
         first = sorted(set(ref["first_losses"]) & set(r["first_losses"]))
+        first_dropout = sorted(set(ref.get("first_dropout_losses", {})) & set(r.get("first_dropout_losses", {})))
         scored = r["bleu"] is not None and ref["bleu"] is not None
         c = dict(
             compared_updates=shared,
             worst_loss_rel_diff=max((rel(ref["losses"][u], r["losses"][u]) for u in shared), default=float("nan")),
             last_quarter_rel_diff=rel(last_quarter(ref["losses"]), last_quarter(r["losses"])),
             first_steps_worst_rel_diff=max((rel(ref["first_losses"][u], r["first_losses"][u]) for u in first), default=None),
+            first_steps_dropout_worst_rel_diff=max((rel(ref["first_dropout_losses"][u], r["first_dropout_losses"][u])
+                                                    for u in first_dropout), default=None),
             valid_rel_diff=rel(ref["valid_loss"], r["valid_loss"]) if ref["valid_loss"] and r["valid_loss"] else None,
             bleu_diff=abs(r["bleu"] - ref["bleu"]) if scored else None,
         )
         c["within_bounds"] = bool(shared) and c["worst_loss_rel_diff"] <= 0.01 and c["valid_rel_diff"] is not None \
             and c["valid_rel_diff"] <= 0.01 and scored and c["bleu_diff"] <= 0.3
         report["comparisons"][name] = c
-        lines.append("| {} | {} | {:.2%} | {:.3f} ({:.2%}) | {} | {} ({}) | {} | {} |".format(
+        lines.append("| {} | {} | {:.2%} | {:.3f} ({:.2%}) | {} | {} | {} ({}) | {} | {} |".format(
             name, max(r["losses"], default=0), c["worst_loss_rel_diff"], last_quarter(r["losses"]),
             c["last_quarter_rel_diff"],
             "-" if c["first_steps_worst_rel_diff"] is None else "{:.3%}".format(c["first_steps_worst_rel_diff"]),
+            "-" if c["first_steps_dropout_worst_rel_diff"] is None
+            else "{:.3%}".format(c["first_steps_dropout_worst_rel_diff"]),
             r["valid_loss"], "-" if c["valid_rel_diff"] is None else "{:.2%}".format(c["valid_rel_diff"]),
             "not scored" if not scored else "{:.2f} ({:+.2f})".format(r["bleu"], r["bleu"] - ref["bleu"]),
             c["within_bounds"]))
@@ -250,8 +262,8 @@ def main():
             results = json.load(f)["runs"]
         for name, r in results.items():
             r["bleu"] = bleu(args.out, data, name)
-            for key in ("losses", "first_losses"):
-                r[key] = {int(u): v for u, v in r[key].items()}
+            for key in ("losses", "first_losses", "first_dropout_losses"):
+                r[key] = {int(u): v for u, v in r.get(key, {}).items()}
     else:
         sh(["bash", os.path.join(REPO, "recipes", "wmt14_en_de", "prepare.sh"), "--from",
             os.path.join(REPO, "data", "lohelp"), "--work", data, "--vocab-size", str(args.vocab_size), "--ratio", "2.5"],
