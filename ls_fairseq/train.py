@@ -19,6 +19,7 @@ import os
 import queue
 import sys
 import threading
+import time
 
 PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -59,18 +60,14 @@ def stop_prefetch_threads(timeout=60.0):
     Each thread is told to stop after the batch in hand, and its queue drained so that it can."""
     from fairseq.data.iterators import BackgroundConsumer
 
+    deadline = time.monotonic() + timeout
     for thread in [t for t in threading.enumerate() if isinstance(t, BackgroundConsumer)]:
         thread._max_len = 0  # checked after each batch it queues
-        thread.join(0)
-        while thread.is_alive():
+        while thread.is_alive() and time.monotonic() < deadline:
             try:
                 thread._queue.get(timeout=0.01)
             except queue.Empty:
-                pass
-            thread.join(0)
-            timeout -= 0.01
-            if timeout <= 0:
-                break
+                thread.join(0.01)
 
 
 def cli_main():

@@ -106,6 +106,9 @@ std::optional<Dropout> draw_dropout(const std::optional<Tensor>& given, double p
   return Dropout{philox_state(), std::nullopt, shape, p, like.device()};
 }
 
+// The state a forward kernel draws its keep-bits with (unused at p = 0).
+ls::RngState rng_of(const std::optional<Dropout>& dropout) { return dropout ? dropout->rng : ls::RngState{}; }
+
 // A dropout over `like`'s elements drawn as the next kernel call would draw it (the generator
 // advances alike), for code outside the kernels that must apply the kernels' masks (the
 // parity run of stock fairseq with ls_fairseq's masks: scripts/parity_ls_masks).
@@ -228,7 +231,7 @@ std::tuple<Tensor, std::optional<Dropout>> bias_dropout_residual_forward(const T
   auto dropout = draw_dropout(given, p, x);
   ls::bias_dropout_residual_forward(dtype_of(x, "x"), x.data_ptr(), bias.data_ptr(), residual.data_ptr(),
                                     out.data_ptr(), x.numel() / hidden, hidden, float(p),
-                                    dropout ? dropout->rng : ls::RngState{}, stream());
+                                    rng_of(dropout), stream());
   CHECK_CUDA_OK();
   return {out, dropout};
 }
@@ -273,7 +276,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::optional<Dropout>> bias_dropout_
   ls::bias_dropout_residual_layer_norm_forward(dtype_of(h, "h"), h.data_ptr(), bias.data_ptr(), residual.data_ptr(),
                                                weight.data_ptr(), ln_bias.data_ptr(), x.data_ptr(), y.data_ptr(),
                                                mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, hidden,
-                                               float(eps), float(p), dropout ? dropout->rng : ls::RngState{},
+                                               float(eps), float(p), rng_of(dropout),
                                                stream());
   CHECK_CUDA_OK();
   return {y, x, mean, rstd, dropout};
@@ -324,7 +327,7 @@ std::tuple<Tensor, std::optional<Dropout>> bias_act_dropout_forward(const Tensor
   auto out = torch::empty_like(x);
   auto dropout = draw_dropout(given, p, x);
   ls::bias_act_dropout_forward(dtype_of(x, "x"), x.data_ptr(), bias.data_ptr(), out.data_ptr(), x.numel() / hidden,
-                               hidden, act, float(p), dropout ? dropout->rng : ls::RngState{}, stream());
+                               hidden, act, float(p), rng_of(dropout), stream());
   CHECK_CUDA_OK();
   return {out, dropout};
 }
@@ -380,7 +383,7 @@ std::tuple<Tensor, Tensor, std::optional<Dropout>> softmax_forward(const Tensor&
   auto out = p > 0.0 ? torch::empty_like(scores) : probs;
   ls::softmax_forward(dtype_of(scores, "scores"), scores.data_ptr(), key_padding_mask ? kpm.data_ptr<uint8_t>() : nullptr,
                       causal, out.data_ptr(), probs.data_ptr(), int(B), int(H), int(Tq), int(Tk), float(p),
-                      dropout ? dropout->rng : ls::RngState{}, stream());
+                      rng_of(dropout), stream());
   CHECK_CUDA_OK();
   return {out, probs, dropout};
 }
@@ -491,7 +494,7 @@ std::tuple<Tensor, std::optional<Dropout>> embedding_forward(const Tensor& token
   auto dropout = draw_dropout(given, p, out);
   ls::embedding_forward(dtype_of(weight, "weight"), tokens.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
                         weight.data_ptr(), pos_weight.data_ptr(), out.data_ptr(), tokens.numel(), int(dim),
-                        float(scale), int(padding_idx), float(p), dropout ? dropout->rng : ls::RngState{}, stream());
+                        float(scale), int(padding_idx), float(p), rng_of(dropout), stream());
   CHECK_CUDA_OK();
   return {out, dropout};
 }

@@ -58,14 +58,6 @@ __device__ __forceinline__ void load_mask(const uint8_t* p, bool (&keep)[N]) {
   for (int i = 0; i < N; ++i) keep[i] = pk.v[i] != 0;
 }
 
-template <int N>
-__device__ __forceinline__ void store_mask(uint8_t* p, const bool (&keep)[N]) {
-  Pack<uint8_t, N> pk;
-#pragma unroll
-  for (int i = 0; i < N; ++i) pk.v[i] = keep[i];
-  *reinterpret_cast<Pack<uint8_t, N>*>(p) = pk;
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

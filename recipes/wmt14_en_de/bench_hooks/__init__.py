@@ -27,7 +27,7 @@ $BENCH_WITH_LS=1 it also loads the ls_fairseq plugin (fairseq takes one
 --user-dir). With $BENCH_MEMORY_HISTORY=FILE it also records every allocation
 and free with its call stack (torch.cuda.memory._record_memory_history, which
 slows the run: not for timing) and writes the snapshot to FILE at exit, for
-finding what is alive at the peak (torch.cuda._memory_viz reads it). Nothing
+finding what is alive at the peak (scripts/memory_peak.py). Nothing
 else about training changes.
 """
 import atexit
