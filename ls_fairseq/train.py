@@ -1,6 +1,6 @@
 """``ls-fairseq-train``: fairseq-train with the plugin loaded, and bf16 on GPUs.
 
-The same command line as fairseq-train. Four differences:
+The same command line as fairseq-train. Five differences:
 - ``--user-dir`` pointing at this package is added when it is not given;
 - the trainer is ``ls_fairseq.trainer.LSTrainer`` (fairseq's, with ls_adam's
   mixed-precision step decided on the device: no host sync inside an update);
@@ -12,7 +12,10 @@ The same command line as fairseq-train. Four differences:
   scaling is needed in bf16);
 - training stops fairseq's batch-prefetch threads before the interpreter exits
   (``stop_prefetch_threads``), so a run that ends mid-epoch exits with its own
-  status instead of an abort.
+  status instead of an abort;
+- the epoch iterator collates the data's first batch (the trainer's dummy
+  batch) once, not again at every epoch boundary while the GPU waits
+  (``ls_fairseq.batching.collate_first_batch_once``).
 """
 import logging
 import os
@@ -84,10 +87,12 @@ def main(cfg, **kwargs):
     for several GPUs, in each spawned worker (a fresh interpreter: the trainer is set there too)."""
     from fairseq_cli import train
 
+    from ls_fairseq.batching import collate_first_batch_once
     from ls_fairseq.trainer import LSTrainer
 
     log_as_fairseq_train()  # again in a spawned worker, whose imports configured logging their way
     train.Trainer = LSTrainer  # the name fairseq-train's main() builds its trainer from
+    collate_first_batch_once()
     try:
         return train.main(cfg, **kwargs)
     finally:

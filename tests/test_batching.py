@@ -67,3 +67,37 @@ def test_ls_fairseq_train_sizes_batches_by_padded_length(data_bin, tmp_path):
         assert proc.returncode == 0, log[-3000:]
         batches[tool] = int(re.search(r"epoch 001:\s+\d+ / (\d+)", log).group(1))
     assert batches["ls-fairseq-train"] > batches["fairseq-train"], batches
+
+
+def test_the_first_batch_is_collated_once_while_it_stays_the_same(monkeypatch):
+    """fairseq's trainer reads the epoch iterator's first batch at every epoch: collated once, equal to
+    fairseq's, and collated again when fairseq rebuilds its batch list (a new first batch)."""
+    from fairseq.data import iterators
+
+    import ls_fairseq.batching as batching
+
+    dataset = pairs(60, 8)
+    calls = []
+
+    def collate(samples):
+        calls.append(len(samples))
+        return dataset.collater(samples)
+
+    def batch_sampler(data, epoch):  # fairseq's callable form: rebuilt when the epoch changes
+        return dataset.batch_by_size(dataset.ordered_indices(), max_tokens=64 + epoch)
+
+    monkeypatch.setattr(iterators.EpochBatchIterator, "first_batch", iterators.EpochBatchIterator.first_batch)
+    iterator = iterators.EpochBatchIterator(dataset, collate, batch_sampler)
+    want = iterator.first_batch
+    batching.collate_first_batch_once()
+    calls.clear()
+    got = [iterator.first_batch for _ in range(3)]
+    assert len(calls) == 1 and all(g is got[0] for g in got)
+    assert torch.equal(got[0]["net_input"]["src_tokens"], want["net_input"]["src_tokens"])
+    for _ in iterator.next_epoch_itr():  # epoch 1, then epoch 2: fairseq rebuilds the batch list
+        pass
+    iterator.next_epoch_itr()
+    calls.clear()
+    again = iterator.first_batch
+    assert len(calls) == 1 and again is not got[0] and iterator.first_batch is again
+    assert again["id"].tolist() == iterator.frozen_batches[0].tolist()
