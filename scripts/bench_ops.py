@@ -32,9 +32,10 @@ L2_BYTES = 60 << 20
 P = 0.1
 
 
-def kernel_ms(fn, sets, iters=20):
+def kernel_ms(fn, sets, iters=20, by_name=None):
     """GPU kernel time per call of fn(set), from the profiler (the sum of every kernel's device
-    time, so host-side launch gaps do not count), and the number of kernels per call."""
+    time, so host-side launch gaps do not count), and the number of kernels per call; with a dict
+    ``by_name``, each kernel's time per call (us) added to it under its name."""
     for s in sets[:2]:
         fn(s)
     torch.cuda.synchronize()
@@ -44,6 +45,8 @@ def kernel_ms(fn, sets, iters=20):
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     total_us = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in kernels)
+    for e in kernels if by_name is not None else ():
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / iters
     return total_us / iters / 1000.0, len(kernels) / iters
 
 
@@ -194,7 +197,7 @@ def benches(dtype):
 
 def bench_forward_backward(name, make, fwd_bytes, bwd_bytes, stock, ours, copy_bw):
     sets = make_sets(make, fwd_bytes + bwd_bytes)
-    results = {}
+    results, fwd_us, fwd_bwd_us = {}, {}, {}
     for label, fn in (("stock", stock), ("ls", ours)):
         def fwd(args, fn=fn):
             with torch.no_grad():
@@ -211,14 +214,16 @@ def bench_forward_backward(name, make, fwd_bytes, bwd_bytes, stock, ours, copy_b
 
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        f_ms, f_k = kernel_ms(fwd, sets)
-        fb_ms, fb_k = kernel_ms(fwd_bwd, sets)
+        f_ms, f_k = kernel_ms(fwd, sets, by_name=fwd_us if label == "ls" else None)
+        fb_ms, fb_k = kernel_ms(fwd_bwd, sets, by_name=fwd_bwd_us if label == "ls" else None)
         peak = torch.cuda.max_memory_allocated() - base
         results[label] = dict(fwd_ms=f_ms, bwd_ms=max(fb_ms - f_ms, 1e-6), peak_extra_mb=peak / 2**20,
                               fwd_kernels=f_k, bwd_kernels=fb_k - f_k)
     ls, st = results["ls"], results["stock"]
     copy_fwd, copy_bwd = same_size_copy_ms(fwd_bytes), same_size_copy_ms(bwd_bytes)
     return dict(
+        ls_kernels_us=dict(forward=fwd_us, backward={k: t - fwd_us.get(k, 0.0) for k, t in fwd_bwd_us.items()
+                                                      if t - fwd_us.get(k, 0.0) > 0.05}),
         fwd_same_size_copy_pct=100 * copy_fwd / ls["fwd_ms"], bwd_same_size_copy_pct=100 * copy_bwd / ls["bwd_ms"],
         op=name, stock_fwd_ms=st["fwd_ms"], ls_fwd_ms=ls["fwd_ms"], stock_bwd_ms=st["bwd_ms"], ls_bwd_ms=ls["bwd_ms"],
         fwd_speedup=st["fwd_ms"] / ls["fwd_ms"], bwd_speedup=st["bwd_ms"] / ls["bwd_ms"],
@@ -313,6 +318,11 @@ def main():
             h="{:.0f}% ({:.0f}%)".format(r["bwd_bw_pct"], r["bwd_same_size_copy_pct"]) if "bwd_bw_pct" in r else "-",
             i="{:.0f} / {:.0f}".format(r["stock_peak_mb"], r["ls_peak_mb"]) if "ls_peak_mb" in r else "-")
             + " {} |".format(r["kernels"]))
+    print("\nls kernels per call (us): forward; backward (the forward and backward's kernels less the forward's)")
+    for r in results:
+        for phase, kernels in r.get("ls_kernels_us", {}).items():
+            print("{} {}: {}".format(r["op"], phase, "; ".join(
+                "{} {:.1f}".format(name[:60], us) for name, us in sorted(kernels.items(), key=lambda kv: -kv[1]))))
 
 
 if __name__ == "__main__":

@@ -106,3 +106,25 @@ def test_memory_peak_replays_the_allocation_history_to_its_peak():
     peak, at, live = memory_peak.live_at_peak(trace)
     assert (peak, at) == (470, 4) and sorted(live) == [2, 3, 4]
     assert memory_peak.where(trace[4]) == "c.py:7 forward"
+
+
+def test_gpu_idle_is_the_profile_window_less_the_union_of_overlapping_activities(monkeypatch):
+    from types import SimpleNamespace
+
+    from fairseq.tasks import FairseqTask
+    from fairseq.trainer import Trainer
+
+    # the hooks patch fairseq's trainer and torch when imported: put them back after the test
+    for owner, name in ((Trainer, "train_step"), (Trainer, "begin_epoch"), (Trainer, "clip_grad_norm"),
+                        (FairseqTask, "optimizer_step"), (torch.cuda, "reset_peak_memory_stats")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    monkeypatch.syspath_prepend(os.path.dirname(bench.__file__))
+    import bench_hooks
+
+    def activity(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    # b runs on a second stream inside a's span; c after a 5 us gap; d after 2 us, e overlapping d
+    acts = [activity("c", 30, 40), activity("a", 0, 20), activity("b", 10, 25), activity("d", 42, 50),
+            activity("e", 45, 60)]
+    assert bench_hooks._gaps(acts) == [(5, "b", "c"), (2, "c", "d")]

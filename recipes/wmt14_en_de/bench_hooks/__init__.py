@@ -7,7 +7,12 @@
   epoch, in steady state (counting kernels inside replayed CUDA graphs too);
   the profiled update numbers are recorded so that the benchmark leaves their
   log intervals out of its wps;
-- GPU time per step, from the same profile, and host synchronisations per step
+- GPU time per step, from the same profile, against the same steps' wall time
+  (``profiled_step_ms``: from the synchronised start of the profile to its
+  synchronised end) and the GPU's idle time inside that window
+  (``gpu_idle_ms_per_step``: the window less the union of the GPU activities'
+  intervals; the longest gaps, with the activities either side, go to the
+  .profile.txt file), and host synchronisations per step
   (torch's sync debug mode over the same steps: each time the host waited for
   the GPU inside the step), with the Python call chain that made each;
 - the optimizer's GPU time per update (gradient clipping + the optimizer step,
@@ -109,6 +114,7 @@ def _profiled_train_step(self, samples, raise_oom=False):
     step = self.get_num_updates()
     if step == _profiler["from"] and _profiler["prof"] is None and torch.cuda.is_available():
         torch.cuda.synchronize()
+        _profiler["start"] = time.perf_counter()
         _profiler["prof"] = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA], record_shapes=True)
         _profiler["prof"].__enter__()
@@ -129,8 +135,11 @@ def _profiled_train_step(self, samples, raise_oom=False):
     _stats["host_syncs_per_step"] = _stats.get("host_syncs_per_step", 0) + len(syncs) / PROFILE_STEPS
     _stats["host_sync_sites"] = sorted(set(_stats.get("host_sync_sites", [])) | set(syncs))
     _profiler["steps"] += 1
+    _stats["profiled_tokens_per_step"] = _stats.get("profiled_tokens_per_step", 0) + sum(
+        s.get("ntokens", 0) for s in samples if s) / PROFILE_STEPS
     if _profiler["steps"] == PROFILE_STEPS:
         torch.cuda.synchronize()
+        _stats["profiled_step_ms"] = 1000 * (time.perf_counter() - _profiler["start"]) / PROFILE_STEPS
         prof.__exit__(None, None, None)
         # GPU-side events, less the record_function ranges fairseq marks on the GPU timeline
         kernels = [e for e in prof.events()
@@ -140,10 +149,16 @@ def _profiled_train_step(self, samples, raise_oom=False):
         launches = [e for e in kernels if not e.name.startswith(("Memset", "Memcpy"))]
         _stats["kernel_launches_per_step"] = len(launches) / PROFILE_STEPS
         _stats["gpu_ms_per_step"] = sum(e.device_time_total for e in kernels) / PROFILE_STEPS / 1000.0
+        gaps = _gaps(kernels)
+        _stats["gpu_idle_ms_per_step"] = sum(g for g, _, _ in gaps) / PROFILE_STEPS / 1000.0
         path = _out_path(".profile.txt")
         if path:
-            averages = prof.key_averages()
             with open(path, "w") as f:
+                f.write("GPU idle inside the profiled steps, the longest gaps (us, the activity before -> after):\n")
+                for gap, before, after in sorted(gaps, key=lambda g: g[0], reverse=True)[:30]:
+                    f.write("{:10.1f}  {} -> {}\n".format(gap, before[:70], after[:70]))
+            averages = prof.key_averages()
+            with open(path, "a") as f:
                 for key, rows in (("self_cpu_time_total", 40), ("self_device_time_total", 40), ("count", 80)):
                     f.write(averages.table(sort_by=key, row_limit=rows, max_name_column_width=90) + "\n")
                 # which tensors the small glue ops (fills, copies, adds, concatenations) work on
@@ -154,6 +169,19 @@ def _profiled_train_step(self, samples, raise_oom=False):
         if pairs:
             _stats["optimizer_ms_per_step"] = sum(a.elapsed_time(b) for a, b in pairs) / len(pairs)
     return out
+
+
+def _gaps(activities):
+    """(idle us, the activity before, the one after) for each stretch with no GPU activity between
+    the first activity's start and the last one's end (activities on any stream overlap)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in activities)
+    gaps, end, last = [], None, None
+    for start, stop, name in spans:
+        if end is not None and start > end:
+            gaps.append((start - end, last, name))
+        if end is None or stop > end:
+            end, last = stop, name
+    return gaps
 
 
 Trainer.train_step = _timed_boundaries(_profiled_train_step)
