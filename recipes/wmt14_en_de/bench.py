@@ -185,8 +185,7 @@ def run(system, arch, max_tokens, gpus, data, epochs, work, steady_from=2):
     if hooks:
         result["peak_gib"] = hooks["peak_bytes"] / 2**30
         for key in ("kernels_per_step", "kernel_launches_per_step", "gpu_ms_per_step", "host_syncs_per_step",
-                    "host_sync_sites", "optimizer_ms_per_step", "epoch_boundaries", "gpu_idle_ms_per_step",
-                    "profiled_step_ms", "profiled_tokens_per_step"):
+                    "host_sync_sites", "optimizer_ms_per_step", "epoch_boundaries", "gpu_idle_ms_per_step"):
             result[key] = hooks.get(key)
     if "wps" in result:
         result["mfu"] = result["wps"] * flops_per_target_token(arch) / (PEAK_TFLOPS * 1e12 * gpus)
@@ -198,7 +197,7 @@ def table(results):
     efficiency (wps over GPUs x the same system's one-GPU wps) where both were run."""
     lines = ["| arch | max-tokens | GPUs | system | wps (steady) | speed-up | scaling | ups | step ms | first-epoch wps | "
              "first 200 updates wps (x steady) | peak GiB | kernels/step | kernel launches/step | GPU ms/step | "
-             "GPU idle ms/step (of profiled step ms) | host syncs/step | optimizer ms/step | MFU |",
+             "GPU idle ms/step | host syncs/step | optimizer ms/step | MFU |",
              "| --- " * 19 + "|"]
     wps = {(r["arch"], r["max_tokens"], r.get("gpus", 1), r["system"]): r.get("wps") for r in results}
     for r in results:
@@ -221,7 +220,7 @@ def table(results):
             "{:.0f} ({:.2f}x)".format(first, first / r["wps"]) if first else "-",
             fmt("peak_gib", "{:.1f}"), fmt("kernels_per_step", "{:.0f}"), fmt("kernel_launches_per_step", "{:.0f}"),
             fmt("gpu_ms_per_step", "{:.1f}"),
-            "{} ({})".format(fmt("gpu_idle_ms_per_step", "{:.1f}"), fmt("profiled_step_ms", "{:.1f}")),
+            fmt("gpu_idle_ms_per_step", "{:.1f}"),
             fmt("host_syncs_per_step", "{:.0f}"),
             fmt("optimizer_ms_per_step", "{:.2f}"), r["mfu"]))
     return "\n".join(lines)

@@ -7,14 +7,15 @@
   epoch, in steady state (counting kernels inside replayed CUDA graphs too);
   the profiled update numbers are recorded so that the benchmark leaves their
   log intervals out of its wps;
-- GPU time per step, from the same profile, against the same steps' wall time
-  (``profiled_step_ms``: from the synchronised start of the profile to its
-  synchronised end) and the GPU's idle time inside that window
-  (``gpu_idle_ms_per_step``: the window less the union of the GPU activities'
-  intervals; the longest gaps, with the activities either side, go to the
-  .profile.txt file), and host synchronisations per step
+- GPU time per step, from the same profile, and host synchronisations per step
   (torch's sync debug mode over the same steps: each time the host waited for
   the GPU inside the step), with the Python call chain that made each;
+- the GPU's idle time per step (``gpu_idle_ms_per_step``): over IDLE_STEPS
+  steps just before that profile (a log interval's synchronisation among
+  them), traced on the GPU alone so that the tracing adds no host time; the
+  idle time is the window less the union of the GPU activities' intervals,
+  and its longest gaps, with the activities either side, go to the
+  .profile.txt file;
 - the optimizer's GPU time per update (gradient clipping + the optimizer step,
   between CUDA events, over the same steps);
 - where the time of those steps goes: the host's operators by self CPU time,
@@ -50,7 +51,7 @@ if os.environ.get("BENCH_WITH_LS") == "1":
 from fairseq.tasks import FairseqTask  # noqa: E402
 from fairseq.trainer import Trainer  # noqa: E402
 
-PROFILE_SKIP, PROFILE_STEPS = 5, 3  # into the last epoch: its data loader has started
+PROFILE_SKIP, IDLE_STEPS, PROFILE_STEPS = 5, 25, 3  # into the last epoch: its data loader has started
 _stats = {"peak_bytes": 0, "profiled_updates": []}
 _reset = torch.cuda.reset_peak_memory_stats
 
@@ -66,6 +67,7 @@ if os.environ.get("BENCH_MEMORY_HISTORY") and torch.cuda.is_available():
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
 _train_step, _begin_epoch = Trainer.train_step, Trainer.begin_epoch
 _profiler = {"prof": None, "steps": 0, "from": None}
+_idle = {"prof": None, "steps": 0, "gaps": []}
 
 
 _boundary = {"step_end": None, "step_event": None, "begin": None, "pending": []}
@@ -73,7 +75,7 @@ _boundary = {"step_end": None, "step_event": None, "begin": None, "pending": []}
 
 def _begin_last_epoch(self, epoch):
     if epoch == self.cfg.optimization.max_epoch:
-        _profiler["from"] = self.get_num_updates() + PROFILE_SKIP
+        _profiler["from"] = self.get_num_updates() + PROFILE_SKIP + IDLE_STEPS
     _boundary["begin"] = (epoch, time.perf_counter())
     return _begin_epoch(self, epoch)
 
@@ -114,7 +116,6 @@ def _profiled_train_step(self, samples, raise_oom=False):
     step = self.get_num_updates()
     if step == _profiler["from"] and _profiler["prof"] is None and torch.cuda.is_available():
         torch.cuda.synchronize()
-        _profiler["start"] = time.perf_counter()
         _profiler["prof"] = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA], record_shapes=True)
         _profiler["prof"].__enter__()
@@ -135,11 +136,8 @@ def _profiled_train_step(self, samples, raise_oom=False):
     _stats["host_syncs_per_step"] = _stats.get("host_syncs_per_step", 0) + len(syncs) / PROFILE_STEPS
     _stats["host_sync_sites"] = sorted(set(_stats.get("host_sync_sites", [])) | set(syncs))
     _profiler["steps"] += 1
-    _stats["profiled_tokens_per_step"] = _stats.get("profiled_tokens_per_step", 0) + sum(
-        s.get("ntokens", 0) for s in samples if s) / PROFILE_STEPS
     if _profiler["steps"] == PROFILE_STEPS:
         torch.cuda.synchronize()
-        _stats["profiled_step_ms"] = 1000 * (time.perf_counter() - _profiler["start"]) / PROFILE_STEPS
         prof.__exit__(None, None, None)
         # GPU-side events, less the record_function ranges fairseq marks on the GPU timeline
         kernels = [e for e in prof.events()
@@ -149,13 +147,12 @@ def _profiled_train_step(self, samples, raise_oom=False):
         launches = [e for e in kernels if not e.name.startswith(("Memset", "Memcpy"))]
         _stats["kernel_launches_per_step"] = len(launches) / PROFILE_STEPS
         _stats["gpu_ms_per_step"] = sum(e.device_time_total for e in kernels) / PROFILE_STEPS / 1000.0
-        gaps = _gaps(kernels)
-        _stats["gpu_idle_ms_per_step"] = sum(g for g, _, _ in gaps) / PROFILE_STEPS / 1000.0
         path = _out_path(".profile.txt")
         if path:
             with open(path, "w") as f:
-                f.write("GPU idle inside the profiled steps, the longest gaps (us, the activity before -> after):\n")
-                for gap, before, after in sorted(gaps, key=lambda g: g[0], reverse=True)[:30]:
+                f.write("GPU idle over {} steps ({:.1f} ms a step), the longest gaps (us, the activity before -> "
+                        "after):\n".format(IDLE_STEPS, _stats["gpu_idle_ms_per_step"]))
+                for gap, before, after in sorted(_idle["gaps"], key=lambda g: g[0], reverse=True)[:30]:
                     f.write("{:10.1f}  {} -> {}\n".format(gap, before[:70], after[:70]))
             averages = prof.key_averages()
             with open(path, "a") as f:
@@ -171,6 +168,30 @@ def _profiled_train_step(self, samples, raise_oom=False):
     return out
 
 
+def _idle_window(step):
+    """``step`` traced on the GPU alone over IDLE_STEPS steps before the profile: the GPU's idle time."""
+    def traced(self, samples, raise_oom=False):
+        first = _profiler["from"] is not None and self.get_num_updates() == _profiler["from"] - IDLE_STEPS
+        if first and _idle["prof"] is None and torch.cuda.is_available():
+            torch.cuda.synchronize()
+            _idle["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            _idle["prof"].__enter__()
+        if _idle["prof"] is None or _idle["steps"] >= IDLE_STEPS:
+            return step(self, samples, raise_oom)
+        out = step(self, samples, raise_oom)
+        _stats["profiled_updates"].append(self.get_num_updates())
+        _idle["steps"] += 1
+        if _idle["steps"] == IDLE_STEPS:
+            torch.cuda.synchronize()
+            _idle["prof"].__exit__(None, None, None)
+            _idle["gaps"] = _gaps([e for e in _idle["prof"].events()
+                                   if e.device_type == torch.autograd.DeviceType.CUDA
+                                   and not getattr(e, "is_user_annotation", False)])
+            _stats["gpu_idle_ms_per_step"] = sum(g for g, _, _ in _idle["gaps"]) / IDLE_STEPS / 1000.0
+        return out
+    return traced
+
+
 def _gaps(activities):
     """(idle us, the activity before, the one after) for each stretch with no GPU activity between
     the first activity's start and the last one's end (activities on any stream overlap)."""
@@ -184,7 +205,7 @@ def _gaps(activities):
     return gaps
 
 
-Trainer.train_step = _timed_boundaries(_profiled_train_step)
+Trainer.train_step = _timed_boundaries(_idle_window(_profiled_train_step))
 Trainer.begin_epoch = _begin_last_epoch
 _clip_grad_norm, _optimizer_step = Trainer.clip_grad_norm, FairseqTask.optimizer_step
 _optimizer_spans = {"start": None, "pairs": []}
