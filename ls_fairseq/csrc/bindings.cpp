@@ -132,16 +132,15 @@ const ls::RngState* redrawn(const std::optional<Dropout>& dropout, const Tensor&
 }
 
 // A parameter's gradient: `into` (checked against `like`'s dtype and device and
-// `shape`), which the kernel accumulates into, or a new tensor it writes
-// (zero-filled when the kernel writes only some rows).
+// `shape`), which the kernel accumulates into, or a new tensor it writes whole.
 std::pair<Tensor, ls::GradOut> grad_out(const std::optional<Tensor>& into, const Tensor& like, at::IntArrayRef shape,
-                                        const char* name, bool zeroed = false) {
+                                        const char* name) {
   if (into) {
     check_like(*into, like, name, "the gradient's input");
     check_shape(*into, shape, name);
     return {*into, ls::GradOut{into->data_ptr(), true}};
   }
-  auto t = zeroed ? torch::zeros(shape, like.options()) : torch::empty(shape, like.options());
+  auto t = torch::empty(shape, like.options());
   return {t, ls::GradOut{t.data_ptr(), false}};
 }
 
@@ -503,7 +502,7 @@ Tensor table_gradient(const Tensor& dout, const ls::RngState* rng, const Tensor&
                       double scale, int64_t padding_idx, double p, const std::optional<Tensor>& into,
                       const char* name) {
   const int64_t dim = dout.size(-1);
-  auto [dtable, dtable_out] = grad_out(into, dout, {rows, dim}, name, /*zeroed=*/true);
+  auto [dtable, dtable_out] = grad_out(into, dout, {rows, dim}, name);
   TORCH_CHECK(rows < (int64_t(1) << 31) && ids.numel() < (int64_t(1) << 31), name,
               ": the table's rows and the number of ids must be below 2^31, got ", rows, " and ", ids.numel());
   const auto flat = ids.reshape({-1}).contiguous();

@@ -2,21 +2,24 @@
 // zero for padding tokens; pos_weight is the learned table or fairseq's
 // sinusoid table (ls_fairseq/ops/embedding.py passes it).
 // Fuses: lookup, scale, positional add, padding zeroing, dropout (Philox mask,
-// never stored: backward draws the keep-bits again from the forward's state).
+// never stored: backward draws the keep-bits again from the forward's state):
+// LightSeq2's fused embedding layer, whose backward added half-precision atomics.
 // Backward: dtable[t] = sum over tokens i with token_i = t != pad of
 // scale * dout[i] * keep / (1 - p), accumulated in fp32 without atomics, so the
 // result is deterministic: the ids are sorted beforehand (a stable radix sort of
 // 32-bit keys over only the bits the table needs, 15 for a 32k vocabulary: up to
 // 12,288 ids in one block's shared memory, one launch; more with cub's device-wide
 // sort), which lines up each id's tokens as a run of sorted positions. The
-// sorted positions are cut into chunks of kPieceRows; one warp sums the piece of
-// a run inside one chunk (four vectors of a lane in flight), so a frequent token's long run
-// (hundreds of tokens of "," or "the" in a real batch) is summed by many warps,
-// not walked by one. A run inside one chunk is written to the table at once; a
-// run across chunks leaves its pieces' fp32 sums in the chunks' head/tail slots,
-// and a second kernel adds them in chunk order. Padding rows and ids absent from
-// the batch are not written: the caller zeroes the table, or accumulates into a
-// gradient (ls_adam's workspace) that holds what it held.
+// sorted positions are cut into chunks of kChunkRows; one warp walks a chunk's
+// rows in order over a slice of the columns (kRowsInFlight rows' loads in flight),
+// so a frequent token's long run (hundreds of tokens of "," or "the" in a real
+// batch) is summed by many warps side by side, not walked by one. A run inside one
+// chunk is written to the table at once; a run across chunks leaves its pieces'
+// fp32 sums in the chunks' head/tail slots, and a second kernel adds them in chunk
+// order. Accumulating into a gradient (ls_adam's workspace), the rows of ids absent
+// from the batch keep what they held; into a new tensor, a third kernel writes
+// zeros to those rows alone (no zero-fill of the whole table first).
+// Never written to memory: the dropout mask, fp32 copies of dout or of the table.
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
@@ -51,95 +54,115 @@ struct EmbForward {
   __device__ void finish(int64_t, int, float (&)[N]) const {}
 };
 
-constexpr int kRunVectors = 4;  // a lane's vectors in flight: ITEMS of each of kRunVectors / ITEMS rows
-constexpr int kPieceRows = 32;  // sorted positions per chunk: the most rows one block sums
+constexpr int kChunkRows = 32;    // sorted positions per chunk: one a lane of the warp that sums them
+constexpr int kChunkWarps = 4;    // chunks a block (one column slice)
+constexpr int kRowsInFlight = 8;  // rows of a chunk a lane loads before it adds any
 
-// The table row `id` from a run's fp32 sum: scaled, written or added.
+// The table row `id` from a run's fp32 sum: scaled, written or added to `old` (its value before).
 template <typename T, int V>
 __device__ __forceinline__ void write_row(T* dtable, bool accumulate, int id, int dim, int c, float scale,
-                                          const float (&acc)[V]) {
-  T* const out = dtable + int64_t(id) * dim + c;
+                                          const float (&acc)[V], const float (&old)[V]) {
   float o[V];
-  if (accumulate) load<T, V>(out, o);
 #pragma unroll
-  for (int i = 0; i < V; ++i) o[i] = accumulate ? o[i] + acc[i] * scale : acc[i] * scale;
-  store<T, V>(out, o);
+  for (int i = 0; i < V; ++i) o[i] = accumulate ? old[i] + acc[i] * scale : acc[i] * scale;
+  store<T, V>(dtable + int64_t(id) * dim + c, o);
 }
 
-// Warp k (kPieceWarps a block) sums the piece that starts at sorted position k (a run's
-// start, or a chunk's start inside a run) up to the run's or the chunk's end. Its lanes find
-// that end at once (a chunk is 32 positions, one a lane) and load the piece's row numbers;
-// a lane then holds ITEMS vectors of a row (ITEMS x 32 x V columns a trip), with
-// kRunVectors / ITEMS rows' loads in flight. Its sum goes to the table (the whole run), to the chunk's head slot (a
-// run continued from the previous chunk) or to its tail slot (a run that continues into
-// the next chunk): pieces[(2 chunk + slot) dim].
-constexpr int kPieceWarps = 8;
-static_assert(kPieceRows == 32, "a piece's positions are one warp's lanes");
-
-template <typename T, int V, int ITEMS>
-__global__ void __launch_bounds__(32 * kPieceWarps)
-    embedding_backward_piece_kernel(const T* __restrict__ dout, Redraw keeps,
-                                    const int* __restrict__ sorted_ids, const int* __restrict__ order,
-                                    T* __restrict__ dtable, bool accumulate, float* __restrict__ pieces, int64_t n,
-                                    int dim, float scale, int padding_idx, float p) {
+// A warp sums one chunk of kChunkRows sorted positions over one slice of 32 x V columns (a
+// lane's V columns a row): its lanes first load the chunk's ids and row numbers (one each), mark
+// where each run of equal ids ends, and where its sum goes. Then the warp walks the chunk's rows in
+// sorted order, kRowsInFlight at a time: all their loads (dout, and for a run that ends there the
+// table row it adds to) issued before the first add, the Philox keep-bits drawn meanwhile. A run
+// that ends inside the chunk and began in it is written to the table; the chunk's first run, when
+// the previous chunk holds its start, goes to the chunk's head slot; its last run, when the next
+// chunk continues it, to its tail slot (pieces[(2 chunk + slot) dim], fp32; the join kernel adds
+// them). A chunk is the same 32 positions whatever the ids, so a frequent token's long run is
+// summed by many warps side by side, and a batch of rare ids costs the same as one of frequent ids.
+// Without `accumulate`, each id with a run sets its bit in `present` (the rows the zero kernel
+// then leaves alone).
+template <typename T, int V>
+__global__ void __launch_bounds__(32 * kChunkWarps)
+    embedding_backward_chunk_kernel(const T* __restrict__ dout, Redraw keeps, const int* __restrict__ sorted_ids,
+                                    const int* __restrict__ order, T* __restrict__ dtable, bool accumulate,
+                                    float* __restrict__ pieces, unsigned* __restrict__ present, int64_t n, int dim,
+                                    float scale, int padding_idx, float p) {
+  constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x & 31;
-  const int64_t k = int64_t(blockIdx.x) * kPieceWarps + (threadIdx.x >> 5), chunk = k / kPieceRows;
-  if (k >= n) return;
-  const int id = sorted_ids[k];
-  const bool run_start = k == 0 || sorted_ids[k - 1] != id;
-  if (id == padding_idx || !(run_start || k % kPieceRows == 0)) return;  // the whole warp
-  const int64_t chunk_end = (chunk + 1) * kPieceRows < n ? (chunk + 1) * kPieceRows : n;
-  // the run's positions from k on are a prefix of the lanes (sorted ids)
-  const bool in_run = k + lane < chunk_end && sorted_ids[k + lane] == id;
-  const unsigned run = __ballot_sync(0xffffffffu, in_run);
-  const int len = run == 0xffffffffu ? 32 : __ffs(~run) - 1;
-  const int64_t end = k + len;
-  const bool continues = end == chunk_end && end < n && sorted_ids[end] == id;
-  float* const slot = !run_start ? pieces + 2 * chunk * dim : continues ? pieces + (2 * chunk + 1) * dim : nullptr;
-  const int my_row = in_run ? order[k + lane] : 0;
+  const int64_t chunk = int64_t(blockIdx.x) * kChunkWarps + (threadIdx.x >> 5), begin = chunk * kChunkRows;
+  if (begin >= n) return;  // the whole warp
+  const int len = n - begin < kChunkRows ? int(n - begin) : kChunkRows;
+  const int id = lane < len ? sorted_ids[begin + lane] : -1;
+  const int row = lane < len ? order[begin + lane] : 0;
+  const int before = begin > 0 ? sorted_ids[begin - 1] : -1, after = begin + len < n ? sorted_ids[begin + len] : -1;
+  const int next = __shfl_down_sync(kAll, id, 1), first = __shfl_sync(kAll, id, 0);
+  // lane i ends a run; the run is the chunk's first, begun in the previous chunk (head slot), or
+  // its last, continued in the next (tail slot), or else written to the table
+  const bool ends = lane < len && (lane == len - 1 || next != id) && id != padding_idx;
+  const bool head = ends && id == first && first == before;
+  const bool tail = ends && !head && lane == len - 1 && id == after;
+  const unsigned ends_mask = __ballot_sync(kAll, ends), head_mask = __ballot_sync(kAll, head),
+                 tail_mask = __ballot_sync(kAll, tail);
+  if (!accumulate && ends) atomicOr(present + (id >> 5), 1u << (id & 31));
+  const int c = (blockIdx.y * 32 + lane) * V;
+  const bool cols = c < dim;
   const float drop = p > 0.f ? 1.f / (1.f - p) : 1.f;
-  constexpr int ROWS = kRunVectors / ITEMS;
-  for (int c0 = 0; c0 < dim; c0 += ITEMS * 32 * V) {  // the same trips for every lane: they shuffle
-    float acc[ITEMS][V] = {};
-    for (int r0 = 0; r0 < len; r0 += ROWS) {
-      Pack<T, V> v[ROWS][ITEMS];
-      bool keep[ROWS][ITEMS][V];
+  float acc[V] = {};
+  for (int r0 = 0; r0 < len; r0 += kRowsInFlight) {
+    Pack<T, V> v[kRowsInFlight], old[kRowsInFlight];
+    bool keep[kRowsInFlight][V];
 #pragma unroll
-      for (int u = 0; u < ROWS; ++u) {
-        const int64_t row = __shfl_sync(0xffffffffu, my_row, (r0 + u) & 31);
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const int i = (r0 + u) & 31, rid = __shfl_sync(kAll, id, i);
+      const int64_t r = __shfl_sync(kAll, row, i);
+      const bool in = r0 + u < len && rid != padding_idx && cols;
+      const bool table = accumulate && in && (ends_mask & ~head_mask & ~tail_mask) >> i & 1u;
+      v[u] = in ? *reinterpret_cast<const Pack<T, V>*>(dout + r * dim + c) : Pack<T, V>{};
+      old[u] = table ? *reinterpret_cast<const Pack<T, V>*>(dtable + int64_t(rid) * dim + c) : Pack<T, V>{};
+      if (in) {
+        keeps.run<V>(r * dim + c, p, keep[u]);
+      } else {
 #pragma unroll
-        for (int it = 0; it < ITEMS; ++it) {
-          const int c = c0 + (it * 32 + lane) * V;
-          const bool in = r0 + u < len && c < dim;
-          v[u][it] = in ? *reinterpret_cast<const Pack<T, V>*>(dout + row * dim + c) : Pack<T, V>{};
-          if (in) {
-            keeps.run<V>(row * dim + c, p, keep[u][it]);
-          } else {
-#pragma unroll
-            for (int i = 0; i < V; ++i) keep[u][it][i] = false;
-          }
-        }
+        for (int k = 0; k < V; ++k) keep[u][k] = false;
       }
-#pragma unroll
-      for (int u = 0; u < ROWS; ++u)
-#pragma unroll
-        for (int it = 0; it < ITEMS; ++it)
-#pragma unroll
-          for (int i = 0; i < V; ++i)
-            acc[it][i] += keep[u][it][i] ? to_f(v[u][it].v[i]) * drop : 0.f;
     }
 #pragma unroll
-    for (int it = 0; it < ITEMS; ++it) {
-      const int c = c0 + (it * 32 + lane) * V;
-      if (c >= dim) continue;
-      if (slot) {
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const int i = r0 + u;
 #pragma unroll
-        for (int i = 0; i < V; ++i) slot[c + i] = acc[it][i];
-      } else {
-        write_row<T, V>(dtable, accumulate, id, dim, c, scale, acc[it]);
+      for (int k = 0; k < V; ++k) acc[k] += keep[u][k] ? to_f(v[u].v[k]) * drop : 0.f;
+      if (i < len && (ends_mask >> i & 1u)) {  // the same branch for the whole warp
+        const int rid = __shfl_sync(kAll, id, i);
+        if (cols) {
+          float* const slot = head_mask >> i & 1u   ? pieces + 2 * chunk * dim
+                              : tail_mask >> i & 1u ? pieces + (2 * chunk + 1) * dim
+                                                    : nullptr;
+          if (slot) {
+#pragma unroll
+            for (int k = 0; k < V; ++k) slot[c + k] = acc[k];
+          } else {
+            float o[V];
+#pragma unroll
+            for (int k = 0; k < V; ++k) o[k] = to_f(old[u].v[k]);
+            write_row<T, V>(dtable, accumulate, rid, dim, c, scale, acc, o);
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc[k] = 0.f;
       }
     }
   }
+}
+
+// Without `accumulate`: zeros in the table rows of ids absent from the batch (no bit in
+// `present`), and in the padding row, so that the chunk kernel's rows and these make the whole
+// table (no zero-fill first: the present rows would be written twice). A warp a row.
+template <typename T, int V>
+__global__ void embedding_zero_absent_kernel(const unsigned* __restrict__ present, T* __restrict__ dtable,
+                                             int64_t rows, int dim, int padding_idx) {
+  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (r >= rows || (r != padding_idx && (present[r >> 5] >> (r & 31) & 1u))) return;
+  const float zeros[V] = {};
+  for (int c = (threadIdx.x & 31) * V; c < dim; c += 32 * V) store<T, V>(dtable + r * dim + c, zeros);
 }
 
 // Block c joins the run that crosses from chunk c into chunk c + 1, when it starts in
@@ -148,25 +171,32 @@ template <typename T, int V>
 __global__ void embedding_backward_join_kernel(const int* __restrict__ sorted_ids, const float* __restrict__ pieces,
                                                T* __restrict__ dtable, bool accumulate, int64_t n, int dim,
                                                float scale, int padding_idx) {
-  const int64_t c = blockIdx.x, last = (c + 1) * kPieceRows - 1;
+  const int64_t c = blockIdx.x, last = (c + 1) * kChunkRows - 1;
   if (last + 1 >= n) return;
   const int id = sorted_ids[last];
   if (id == padding_idx || sorted_ids[last + 1] != id) return;  // no run crosses into chunk c + 1
-  if (c > 0 && sorted_ids[c * kPieceRows - 1] == id) return;   // started earlier: joined by that chunk's block
+  if (c > 0 && sorted_ids[c * kChunkRows - 1] == id) return;   // started earlier: joined by that chunk's block
   for (int col = (blockIdx.y * blockDim.x + threadIdx.x) * V; col < dim; col += gridDim.y * blockDim.x * V) {
-    float acc[V];
+    float acc[V], old[V] = {};
+    if (accumulate) load<T, V>(dtable + int64_t(id) * dim + col, old);
 #pragma unroll
     for (int i = 0; i < V; ++i) acc[i] = pieces[(2 * c + 1) * dim + col + i];
-    for (int64_t c2 = c + 1; c2 * kPieceRows < n && sorted_ids[c2 * kPieceRows] == id; ++c2)
+    for (int64_t c2 = c + 1; c2 * kChunkRows < n && sorted_ids[c2 * kChunkRows] == id; ++c2)
 #pragma unroll
       for (int i = 0; i < V; ++i) acc[i] += pieces[2 * c2 * dim + col + i];
-    write_row<T, V>(dtable, accumulate, id, dim, col, scale, acc);
+    write_row<T, V>(dtable, accumulate, id, dim, col, scale, acc, old);
   }
 }
 
+// Both sorts also zero the bitmap of the ids present (when the chunk kernel fills it in).
+__device__ __forceinline__ void zero_words(unsigned* words, int64_t count, int64_t from, int64_t step) {
+  for (int64_t w = from; w < count; w += step) words[w] = 0u;
+}
+
 __global__ void sort_input_kernel(const int64_t* __restrict__ ids, int* __restrict__ keys, int* __restrict__ order,
-                                  int64_t n) {
+                                  int64_t n, unsigned* __restrict__ present, int64_t words) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  zero_words(present, words, i, int64_t(gridDim.x) * blockDim.x);
   if (i < n) {
     keys[i] = int(ids[i]);
     order[i] = int(i);
@@ -185,9 +215,10 @@ constexpr int kBlockSortThreads = 1024, kBlockSortKeys = kBlockSortThreads * 12;
 template <int ITEMS>
 __global__ void __launch_bounds__(kBlockSortThreads)
     sort_block_kernel(const int64_t* __restrict__ ids, int* __restrict__ keys_out, int* __restrict__ order_out,
-                      int n, int bits) {
+                      int n, int bits, unsigned* __restrict__ present, int64_t words) {
   using Sort = cub::BlockRadixSort<int, kBlockSortThreads, ITEMS, int>;
   __shared__ typename Sort::TempStorage temp;
+  zero_words(present, words, threadIdx.x, kBlockSortThreads);
   const int last = int((1u << bits) - 1u);
   int keys[ITEMS], order[ITEMS];
 #pragma unroll
@@ -214,18 +245,21 @@ int key_bits(int64_t rows) {
 }
 
 // The backward's buffers inside the caller's workspace: keys and order in and out (n
-// ints each), the pieces' head/tail slots (2 x chunks x dim floats), each 256-byte
-// aligned, then cub's temporary storage.
+// ints each), the chunks' head/tail slots (2 x chunks x dim floats), the bitmap of the ids
+// present (rows bits), each 256-byte aligned, then cub's temporary storage.
 size_t aligned256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-int64_t piece_chunks(int64_t n) { return (n + kPieceRows - 1) / kPieceRows; }
+int64_t chunks_of(int64_t n) { return (n + kChunkRows - 1) / kChunkRows; }
+
+int64_t bitmap_words(int64_t rows) { return (rows + 31) / 32; }
 
 struct BackwardBuffers {
   int *keys_in, *order_in, *keys_out, *order_out;
   float* pieces;
+  unsigned* present;
   void* temp;
   size_t temp_bytes;
-  BackwardBuffers(void* base, int64_t n, int dim, size_t temp_bytes_) : temp_bytes(temp_bytes_) {
+  BackwardBuffers(void* base, int64_t n, int64_t rows, int dim, size_t temp_bytes_) : temp_bytes(temp_bytes_) {
     const size_t slot = aligned256(size_t(n) * sizeof(int));
     char* b = static_cast<char*>(base);
     keys_in = reinterpret_cast<int*>(b);
@@ -233,10 +267,14 @@ struct BackwardBuffers {
     keys_out = reinterpret_cast<int*>(b + 2 * slot);
     order_out = reinterpret_cast<int*>(b + 3 * slot);
     pieces = reinterpret_cast<float*>(b + 4 * slot);
-    temp = b + 4 * slot + pieces_bytes(n, dim);
+    present = reinterpret_cast<unsigned*>(b + 4 * slot + pieces_bytes(n, dim));
+    temp = b + bytes(n, rows, dim);
   }
-  static size_t pieces_bytes(int64_t n, int dim) { return aligned256(2 * size_t(piece_chunks(n)) * dim * sizeof(float)); }
-  static size_t bytes(int64_t n, int dim) { return 4 * aligned256(size_t(n) * sizeof(int)) + pieces_bytes(n, dim); }
+  static size_t pieces_bytes(int64_t n, int dim) { return aligned256(2 * size_t(chunks_of(n)) * dim * sizeof(float)); }
+  static size_t bytes(int64_t n, int64_t rows, int dim) {
+    return 4 * aligned256(size_t(n) * sizeof(int)) + pieces_bytes(n, dim) +
+           aligned256(size_t(bitmap_words(rows)) * sizeof(unsigned));
+  }
 };
 
 // cub's temporary storage for its device-wide sort; none for the block's
@@ -249,7 +287,7 @@ size_t sort_temp_bytes(int64_t n, int64_t rows) {
 }
 
 size_t embedding_backward_workspace_bytes(int64_t n, int64_t rows, int dim) {
-  return BackwardBuffers::bytes(n, dim) + sort_temp_bytes(n, rows);
+  return BackwardBuffers::bytes(n, rows, dim) + sort_temp_bytes(n, rows);
 }
 
 void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions, const void* weight,
@@ -266,30 +304,33 @@ void embedding_backward(DType dt, const void* dout, const RngState* rng, const i
                         GradOut dtable, int64_t n, int64_t rows, int dim, float scale, int padding_idx, float p,
                         cudaStream_t stream) {
   if (n == 0) return;
-  BackwardBuffers bb(workspace, n, dim, sort_temp_bytes(n, rows));
+  BackwardBuffers bb(workspace, n, rows, dim, sort_temp_bytes(n, rows));
+  // the bitmap of present ids, zeroed by the sort, only when the absent rows need zeros
+  unsigned* const present = dtable.accumulate ? nullptr : bb.present;
+  const int64_t words = dtable.accumulate ? 0 : bitmap_words(rows);
   if (n <= kBlockSortThreads * 8) {
-    sort_block_kernel<8><<<1, kBlockSortThreads, 0, stream>>>(ids, bb.keys_out, bb.order_out, int(n), key_bits(rows));
+    sort_block_kernel<8><<<1, kBlockSortThreads, 0, stream>>>(ids, bb.keys_out, bb.order_out, int(n), key_bits(rows),
+                                                              present, words);
   } else if (n <= kBlockSortKeys) {
-    sort_block_kernel<12><<<1, kBlockSortThreads, 0, stream>>>(ids, bb.keys_out, bb.order_out, int(n), key_bits(rows));
+    sort_block_kernel<12><<<1, kBlockSortThreads, 0, stream>>>(ids, bb.keys_out, bb.order_out, int(n), key_bits(rows),
+                                                               present, words);
   } else {
-    sort_input_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(ids, bb.keys_in, bb.order_in, n);
+    sort_input_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(ids, bb.keys_in, bb.order_in, n, present, words);
     cub::DeviceRadixSort::SortPairs(bb.temp, bb.temp_bytes, bb.keys_in, bb.keys_out, bb.order_in, bb.order_out, n,
                                     0, key_bits(rows), stream);
   }
   LS_DISPATCH(dt, {
     auto launch = [&]<int V>() {
+      const int slices = ceil_div(dim, 32 * V), chunks = int(chunks_of(n));
+      embedding_backward_chunk_kernel<T, V><<<dim3(ceil_div(chunks, kChunkWarps), slices), 32 * kChunkWarps, 0, stream>>>(
+          (const T*)dout, redraw(rng, p), bb.keys_out, bb.order_out, (T*)dtable.ptr, dtable.accumulate, bb.pieces,
+          present, n, dim, scale, padding_idx, p);
       const int vectors = dim / V, threads = vectors < 256 ? (vectors + 31) / 32 * 32 : 256;
-      const int col_blocks = ceil_div(vectors, threads);
-      auto pieces = [&]<int ITEMS>() {
-        embedding_backward_piece_kernel<T, V, ITEMS><<<ceil_div(n, kPieceWarps), 32 * kPieceWarps, 0, stream>>>(
-            (const T*)dout, redraw(rng, p), bb.keys_out, bb.order_out, (T*)dtable.ptr, dtable.accumulate, bb.pieces, n, dim,
-            scale, padding_idx, p);
-      };
-      if (vectors <= 32) pieces.template operator()<1>();
-      else if (vectors <= 64) pieces.template operator()<2>();
-      else pieces.template operator()<4>();
-      embedding_backward_join_kernel<T, V><<<dim3(piece_chunks(n), col_blocks), threads, 0, stream>>>(
+      embedding_backward_join_kernel<T, V><<<dim3(chunks, ceil_div(vectors, threads)), threads, 0, stream>>>(
           bb.keys_out, bb.pieces, (T*)dtable.ptr, dtable.accumulate, n, dim, scale, padding_idx);
+      if (!dtable.accumulate)
+        embedding_zero_absent_kernel<T, V><<<ceil_div(rows * 32, 256), 256, 0, stream>>>(present, (T*)dtable.ptr, rows,
+                                                                                        dim, padding_idx);
     };
     if (dim % kVec<T> == 0 && aligned16(dout) && aligned16(dtable.ptr))
       launch.template operator()<kVec<T>>();
