@@ -104,3 +104,32 @@ def test_kernel_matches_reference(dtype, learned, B, T, D, p):
     check_kernel(out, out64, out_l, "out")
     for o, ref, low, name in zip((dw, dpw), grads64, grads_l, ("dweight", "dpos")):
         check_kernel(o, ref, low, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+# long runs across chunks (a frequent token in every sentence), odd widths (1030: the per-element path)
+@pytest.mark.parametrize("B,T,D", [(5, 40, 200), (7, 33, 1030), (64, 128, 1024)])
+def test_kernel_accumulates_into_a_gradient_that_holds_values(dtype, B, T, D):
+    """Into ls_adam's workspace the table gradient is added to what the gradient holds: every
+    present row (whole runs, runs across chunks) added once, absent and padding rows untouched."""
+    V, p = 32003, 0.1
+    tokens = tokens_with_padding(B, T, V, left_pad=False).cuda()
+    tokens[:, T // 2] = 7
+    positions = ops.make_positions(tokens, PAD)
+    w = torch.randn(V, D, device="cuda").to(dtype)
+    dout = torch.randn(B, T, D, device="cuda").to(dtype)
+    ext = kernel("embedding", w)
+    _, dropout = embedding_forward_kernel(tokens, positions, w, None, D**0.5, PAD, p, None)
+    mask = drawn(dropout)
+    held = torch.randn(V, D, device="cuda").to(dtype)
+    into = held.clone()
+    dw, _ = ext.embedding_backward(dout, tokens, positions, dropout, D**0.5, PAD, p, V, 0, into, None)
+    assert dw.data_ptr() == into.data_ptr(), "the gradient must be accumulated in place"
+    absent = torch.ones(V, dtype=torch.bool, device="cuda")
+    absent[tokens.reshape(-1)] = False
+    absent[PAD] = True
+    assert torch.equal(dw[absent], held[absent]), "rows without a token must keep what they held"
+    d64, _ = embedding_backward_reference(dout.double(), tokens, positions, mask, D**0.5, PAD, p, V, 0)
+    dlow, _ = embedding_backward_reference(dout, tokens, positions, mask, D**0.5, PAD, p, V, 0)
+    check_kernel(dw, held.double() + d64, held + dlow, "dweight accumulated")

@@ -82,7 +82,7 @@ __device__ __forceinline__ void write_row(T* dtable, bool accumulate, int id, in
 // that ends inside the chunk and began in it is written to the table; the chunk's first run, when
 // the previous chunk holds its start, goes to the chunk's head slot; its last run, when the next
 // chunk continues it, to its tail slot (pieces[(2 chunk + slot) dim], fp32; the join kernel adds
-// them). A chunk is the same 32 positions whatever the ids, so a frequent token's long run is
+// them). A chunk is the same kChunkRows positions whatever the ids, so a frequent token's long run is
 // summed by many warps side by side, and a batch of rare ids costs the same as one of frequent ids.
 // Without `accumulate`, each id with a run sets its bit in `present` (the rows the zero kernel
 // then leaves alone).
