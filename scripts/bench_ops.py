@@ -43,11 +43,11 @@ def kernel_ms(fn, sets, iters=20, by_name=None):
         for i in range(iters):
             fn(sets[i % len(sets)])
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    total_us = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in kernels)
-    for e in kernels if by_name is not None else ():
-        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / iters
-    return total_us / iters / 1000.0, len(kernels) / iters
+    kernels = [(e.name, e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total)
+               for e in prof.events() if e.device_type == DeviceType.CUDA]
+    for name, us in kernels if by_name is not None else ():
+        by_name[name] = by_name.get(name, 0.0) + us / iters
+    return sum(us for _, us in kernels) / iters / 1000.0, len(kernels) / iters
 
 
 def copy_bandwidth():
