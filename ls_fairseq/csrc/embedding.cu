@@ -60,8 +60,9 @@ struct EmbForward {
 // occupancy, 34 us); 8 rows a chunk make four times the warps at fewer registers.
 constexpr int kChunkRows = 8;     // sorted positions per chunk: one a lane of the warp that sums them
 constexpr int kChunkWarps = 4;    // chunks a block (one column slice)
-constexpr int kRowsInFlight = 4;  // rows of a chunk a lane loads before it adds any
+constexpr int kRowsInFlight = 2;  // rows of a chunk a lane loads before it adds any
 constexpr int kJoinChunks = 8;    // head slots the join kernel reads at once
+constexpr int kChunkBlocksPerSM = 8;  // 32 warps an SM: at most 64 registers (84 unbounded at 4 rows in flight)
 static_assert(kChunkRows <= 32 && kChunkRows % kRowsInFlight == 0, "a chunk's positions are lanes of one warp");
 
 // The table row `id` from a run's fp32 sum: scaled, written or added to `old` (its value before).
@@ -87,7 +88,7 @@ __device__ __forceinline__ void write_row(T* dtable, bool accumulate, int id, in
 // Without `accumulate`, each id with a run sets its bit in `present` (the rows the zero kernel
 // then leaves alone).
 template <typename T, int V>
-__global__ void __launch_bounds__(32 * kChunkWarps)
+__global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
     embedding_backward_chunk_kernel(const T* __restrict__ dout, Redraw keeps, const int* __restrict__ sorted_ids,
                                     const int* __restrict__ order, T* __restrict__ dtable, bool accumulate,
                                     float* __restrict__ pieces, unsigned* __restrict__ present, int64_t n, int dim,
