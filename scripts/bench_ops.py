@@ -19,6 +19,7 @@ import json
 import torch
 import torch.nn.functional as F
 from torch.autograd import DeviceType
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from fairseq.optim.adam import Adam as FairseqAdamImpl
@@ -135,6 +136,25 @@ def benches(dtype):
     rows.append(("softmax", sm_inputs, a * 3 * s, a * 3 * s,
                  lambda x, kpm, dy: F.dropout(torch.softmax(x.masked_fill(kpm[:, None, None, :], float("-inf")).float(), -1).type_as(x), P),
                  lambda x, kpm, dy: ops.softmax(x, kpm, False, P)))
+
+    # attention: self-attention of [B, heads, T, d_head] views of token-major storage (split_heads' layout) with
+    # key padding and attention dropout; stock: torch's SDPA with the padding as an additive mask (the
+    # memory-efficient kernel: FlashAttention takes no mask), as fairseq's and our longer rows run it
+    def attn_inputs():
+        kpm = torch.zeros(B, SENT_LEN, dtype=torch.bool, device="cuda")
+        kpm[::3, -4:] = True
+        additive = torch.zeros(B, 1, 1, SENT_LEN, dtype=dtype, device="cuda").masked_fill(kpm[:, None, None, :], float("-inf"))
+        return [rand(B, SENT_LEN, HEADS, HIDDEN // HEADS, dtype=dtype).requires_grad_() for _ in range(3)] + [
+            kpm, additive, rand(B, HEADS, SENT_LEN, HIDDEN // HEADS, dtype=dtype)]
+
+    def attn_stock(q, k, v, kpm, additive, dy):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  attn_mask=additive, dropout_p=P, scale=1.0)
+
+    rows.append(("attention", attn_inputs, 4 * n * s, 7 * n * s, attn_stock,
+                 lambda q, k, v, kpm, additive, dy: ops.attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                  v.transpose(1, 2), ops.AttentionMask(kpm), P)))
 
     # qkv: bias add + head split of [B, T, 3d]
     def qkv_inputs():

@@ -4,7 +4,7 @@ import pytest
 
 import torch
 import torch.nn.functional as F
-from helpers import DTYPES, assert_close, check_kernel, grads, kernel
+from helpers import DTYPES, LOW_PRECISION, assert_close, check_kernel, drawn, grads, kernel, poison
 
 from ls_fairseq import ops
 from ls_fairseq.ops.attention import attention_reference
@@ -128,3 +128,88 @@ def test_fused_softmax_takes_the_lightseq_path(dtype):
         runs.append([out] + list(torch.autograd.grad(out, leaves, dout)))
     for a, b, name in zip(*runs, ("out", "dq", "dk", "dv")):
         assert torch.equal(a, b), name
+
+
+def _heads(B, H, T, D, dtype, token_major):
+    """Random [B, heads, T, d_head]: a view of token-major storage (as split_heads gives) or contiguous."""
+    if token_major:
+        return torch.randn(B, T, H, D, device="cuda").to(dtype).transpose(1, 2)
+    return torch.randn(B, H, T, D, device="cuda").to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("B,H,Tq,Tk,causal,p", [
+    (3, 4, 37, 37, False, 0.1),  # encoder self-attention: padded keys
+    (2, 16, 64, 64, True, 0.1),  # the longest rows, causal
+    (5, 3, 33, 21, False, 0.2),  # cross-attention shapes, lengths not multiples of 16
+    (4, 2, 1, 7, True, 0.0),  # one query (a decoding step), causal with Tq < Tk
+    (2, 2, 17, 64, True, 0.3),
+])
+def test_fused_kernel_matches_the_reference_with_its_dropout(dtype, B, H, Tq, Tk, causal, p):
+    """The fused kernel (forward and backward) against the LightSeq path in fp64 given the kernel's own
+    keep-mask, by the 2x-PyTorch rule; outputs poisoned first, so an unwritten element fails."""
+    D = 64
+    ext = kernel("attention", torch.empty(1, device="cuda", dtype=dtype))
+    q = _heads(B, H, Tq, D, dtype, True) * D**-0.5
+    k, v = _heads(B, H, Tk, D, dtype, True), _heads(B, H, Tk, D, dtype, False)
+    kpm = torch.zeros(B, Tk, dtype=torch.bool, device="cuda")
+    kpm[1, -min(5, Tk - 1):] = Tk > 1
+    kpm[0, :2] = Tk > 2  # left padding too (fairseq's sources)
+    dout = _heads(B, H, Tq, D, dtype, True)
+    poison()
+    out, lse, dropout = ext.attention_forward(q, k, v, kpm, causal, p)
+    assert (dropout is None) == (p == 0) and out.shape == (B, H, Tq, D) and lse.shape == (B, H, Tq)
+    # token-major output: the out projection merges its heads by a view
+    assert out.transpose(1, 2).is_contiguous()
+    poison()
+    got = (out,) + ext.attention_backward(dout, q, k, v, lse, kpm, causal, dropout, p)
+    mask = drawn(dropout)
+
+    def reference(dt):
+        leaves = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        o = attention_reference(*leaves, ops.AttentionMask(kpm, causal), p, True, mask)
+        return (o,) + torch.autograd.grad(o, leaves, dout.to(dt))
+
+    for g, r64, low, name in zip(got, reference(torch.float64), reference(dtype), ("out", "dq", "dk", "dv")):
+        assert g.dtype == dtype and g.shape == r64.shape, name
+        check_kernel(g, r64, low, name)
+    if p > 0:
+        keep = mask.float().mean().item()
+        assert abs(keep - (1 - p)) < 0.05, "kept fraction {:.3f} for p = {}".format(keep, p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_self_attention_takes_the_fused_kernel_and_repeats_bit_for_bit(causal):
+    """ops.attention on short fp16 rows runs the fused kernel (its autograd node), in deterministic
+    training too: two runs with the same seed agree bit for bit; longer rows take SDPA."""
+    B, H, T, D = 6, 16, 45, 64
+    kernel("attention", torch.empty(1, device="cuda", dtype=torch.float16))
+    q, k, v, dout = (_heads(B, H, T, D, torch.float16, True) for _ in range(4))
+    kpm = torch.zeros(B, T, dtype=torch.bool, device="cuda")
+    kpm[2, -9:] = True
+    runs = []
+    for _ in range(2):
+        torch.cuda.manual_seed(11)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ops.attention(*leaves, ops.AttentionMask(kpm, causal), 0.1, True, deterministic=True)
+        assert type(out.grad_fn).__name__ == "AttentionFunctionBackward"
+        runs.append([out] + list(torch.autograd.grad(out, leaves, dout)))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    long_q = torch.randn(2, 4, 65, D, device="cuda", dtype=torch.float16, requires_grad=True)
+    assert type(ops.attention(long_q, long_q, long_q, None, 0.0).grad_fn).__name__ != "AttentionFunctionBackward"
+
+
+@pytest.mark.gpu
+def test_fused_kernel_rejects_what_it_cannot_run():
+    ext = kernel("attention", torch.empty(1, device="cuda"))
+    q = torch.randn(2, 2, 8, 64, device="cuda")
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        ext.attention_forward(q, q, q, None, False, 0.0)
+    long = torch.randn(2, 2, 65, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="lengths"):
+        ext.attention_forward(long, long, long, None, False, 0.0)
+    wide = torch.randn(2, 2, 8, 80, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="d_head contiguous"):
+        ext.attention_forward(wide, wide, wide, None, False, 0.0)

@@ -121,14 +121,19 @@ Dropout next_dropout(const Tensor& like, double p) {
 
 // The forward's keep-bits for a backward over `like`'s elements at rate p (nullptr: no dropout
 // given, every element kept), checked to be that call's.
-const ls::RngState* redrawn(const std::optional<Dropout>& dropout, const Tensor& like, double p, const char* op) {
+const ls::RngState* redrawn(const std::optional<Dropout>& dropout, at::IntArrayRef shape, c10::Device device, double p,
+                            const char* op) {
   if (!dropout) return nullptr;
-  TORCH_CHECK(dropout->shape == like.sizes(), op, ": dropout was drawn over shape ", at::IntArrayRef(dropout->shape),
-              ", the gradient has shape ", like.sizes());
-  TORCH_CHECK(dropout->device == like.device(), op, ": dropout was drawn on ", dropout->device, ", the gradient is on ",
-              like.device());
+  TORCH_CHECK(dropout->shape == shape, op, ": dropout was drawn over shape ", at::IntArrayRef(dropout->shape),
+              ", the gradient has shape ", shape);
+  TORCH_CHECK(dropout->device == device, op, ": dropout was drawn on ", dropout->device, ", the gradient is on ",
+              device);
   TORCH_CHECK(dropout->p == p, op, ": dropout was drawn at p = ", dropout->p, ", the backward was given p = ", p);
   return &dropout->rng;
+}
+
+const ls::RngState* redrawn(const std::optional<Dropout>& dropout, const Tensor& like, double p, const char* op) {
+  return redrawn(dropout, like.sizes(), like.device(), p, op);
 }
 
 // A parameter's gradient: `into` (checked against `like`'s dtype and device and
@@ -359,6 +364,15 @@ std::tuple<Tensor, Tensor> bias_act_dropout_backward(const Tensor& dout, const T
 }
 
 // ---- softmax ----
+// fairseq's bool key-padding masks are read as bytes in place (a conversion was a copy per layer and call)
+Tensor key_padding_bytes(const std::optional<Tensor>& key_padding_mask, int64_t batch, int64_t tk) {
+  if (!key_padding_mask) return Tensor();
+  check(*key_padding_mask, "key_padding_mask");
+  check_shape(*key_padding_mask, {batch, tk}, "key_padding_mask");
+  return key_padding_mask->scalar_type() == at::kBool ? key_padding_mask->view(at::kByte)
+                                                      : key_padding_mask->to(at::kByte);
+}
+
 std::tuple<Tensor, Tensor, std::optional<Dropout>> softmax_forward(const Tensor& scores,
                                                                   const std::optional<Tensor>& key_padding_mask,
                                                                   bool causal, double p,
@@ -366,14 +380,7 @@ std::tuple<Tensor, Tensor, std::optional<Dropout>> softmax_forward(const Tensor&
   check(scores, "scores");
   TORCH_CHECK(scores.dim() == 4, "scores must be [batch, heads, tgt_len, src_len], got ", scores.sizes());
   const int64_t B = scores.size(0), H = scores.size(1), Tq = scores.size(2), Tk = scores.size(3);
-  Tensor kpm;
-  if (key_padding_mask) {
-    check(*key_padding_mask, "key_padding_mask");
-    check_shape(*key_padding_mask, {B, Tk}, "key_padding_mask");
-    // fairseq's bool masks are read as bytes in place (the conversion was a copy per layer and call)
-    kpm = key_padding_mask->scalar_type() == at::kBool ? key_padding_mask->view(at::kByte)
-                                                       : key_padding_mask->to(at::kByte);
-  }
+  const Tensor kpm = key_padding_bytes(key_padding_mask, B, Tk);
   check_probability(p, "softmax");
   check_mask(given, scores, "mask");
   const c10::cuda::CUDAGuard guard(scores.device());
@@ -399,6 +406,78 @@ Tensor softmax_backward(const Tensor& dout, const Tensor& probs, const std::opti
                        tk ? probs.numel() / tk : 0, tk, float(p), stream());
   CHECK_CUDA_OK();
   return ds;
+}
+
+// ---- attention ----
+// q, k, v (and the gradients): [B, heads, T, d_head] views with d_head contiguous and rows that 16-byte
+// loads can read; a new output [B, heads, T, d_head] is a view of [B, T, heads, d_head] storage (token-major,
+// as the output projection merges heads by a view).
+ls::PartStrides head_rows(const Tensor& t, const Tensor& like, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.device() == like.device(), name, " must be on ", like.device());
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have q's dtype ", like.scalar_type(), ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == 4 && t.size(3) == ls::kAttnHeadDim && t.stride(3) == 1, name,
+              " must be [batch, heads, len, ", ls::kAttnHeadDim, "] with d_head contiguous, got sizes ", t.sizes(),
+              " strides ", t.strides());
+  const int64_t vec = 16 / t.element_size();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % vec == 0 && t.stride(1) % vec == 0 &&
+                  t.stride(2) % vec == 0,
+              name, " rows must start at 16-byte boundaries, got strides ", t.strides());
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+Tensor token_major_like(const Tensor& like, int64_t len) {
+  return torch::empty({like.size(0), len, like.size(1), like.size(3)}, like.options()).transpose(1, 2);
+}
+
+std::tuple<Tensor, Tensor, std::optional<Dropout>> attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                    const std::optional<Tensor>& key_padding_mask,
+                                                                    bool causal, double p) {
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              "attention: q must be float16 or bfloat16 (the tensor-core path), got ", q.scalar_type());
+  const auto qs = head_rows(q, q, "q"), ks = head_rows(k, q, "k"), vs = head_rows(v, q, "v");
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), Tk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && v.sizes() == k.sizes(), "attention: k ", k.sizes(), " and v ",
+              v.sizes(), " must be [", B, ", ", H, ", Tk, d_head] like q ", q.sizes());
+  TORCH_CHECK(Tq >= 1 && Tk >= 1 && Tq <= ls::kAttnMaxLen && Tk <= ls::kAttnMaxLen, "attention: lengths Tq = ", Tq,
+              ", Tk = ", Tk, " must be in [1, ", ls::kAttnMaxLen, "] (longer rows take torch's attention)");
+  check_probability(p, "attention");
+  const Tensor kpm = key_padding_bytes(key_padding_mask, B, Tk);
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto out = token_major_like(q, Tq);
+  auto lse = torch::empty({B, H, Tq}, q.options().dtype(at::kFloat));
+  std::optional<Dropout> dropout;
+  if (p > 0.0) dropout = Dropout{philox_state(), std::nullopt, {B, H, Tq, Tk}, p, q.device()};
+  ls::attention_forward(dtype_of(q, "q"), q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs,
+                        kpm.defined() ? kpm.data_ptr<uint8_t>() : nullptr, causal, out.data_ptr(),
+                        {out.stride(0), out.stride(1), out.stride(2)}, lse.data_ptr<float>(), int(B), int(H), int(Tq),
+                        int(Tk), float(p), rng_of(dropout), stream());
+  CHECK_CUDA_OK();
+  return {out, lse, dropout};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                      const Tensor& v, const Tensor& lse,
+                                                      const std::optional<Tensor>& key_padding_mask, bool causal,
+                                                      const std::optional<Dropout>& dropout, double p) {
+  const auto qs = head_rows(q, q, "q"), ks = head_rows(k, q, "k"), vs = head_rows(v, q, "v");
+  const auto dos = head_rows(dout, q, "dout");
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), Tk = k.size(2);
+  check_shape(dout, q.sizes(), "dout");
+  check(lse, "lse");
+  check_shape(lse, {B, H, Tq}, "lse");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, "lse must be float32, got ", lse.scalar_type());
+  const Tensor kpm = key_padding_bytes(key_padding_mask, B, Tk);
+  const ls::RngState* rng = redrawn(dropout, {B, H, Tq, Tk}, q.device(), p, "attention");
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto dq = token_major_like(q, Tq), dk = token_major_like(k, Tk), dv = token_major_like(v, Tk);
+  ls::attention_backward(dtype_of(q, "q"), dout.data_ptr(), dos, q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs,
+                         lse.data_ptr<float>(), kpm.defined() ? kpm.data_ptr<uint8_t>() : nullptr, causal, rng,
+                         float(p), dq.data_ptr(), {dq.stride(0), dq.stride(1), dq.stride(2)}, dk.data_ptr(),
+                         {dk.stride(0), dk.stride(1), dk.stride(2)}, dv.data_ptr(),
+                         {dv.stride(0), dv.stride(1), dv.stride(2)}, int(B), int(H), int(Tq), int(Tk), stream());
+  CHECK_CUDA_OK();
+  return {dq, dk, dv};
 }
 
 // ---- qkv ----
@@ -698,6 +777,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bias_act_dropout_backward", &bias_act_dropout_backward);
   m.def("softmax_forward", &softmax_forward);
   m.def("softmax_backward", &softmax_backward);
+  m.attr("attention_head_dim") = ls::kAttnHeadDim;
+  m.attr("attention_max_len") = ls::kAttnMaxLen;
+  m.def("attention_forward", &attention_forward);
+  m.def("attention_backward", &attention_backward);
   m.def("qkv_forward", &qkv_forward);
   m.def("qkv_backward", &qkv_backward);
   m.def("embedding_forward", &embedding_forward);

@@ -114,6 +114,21 @@ void qkv_backward(DType dt, const void* const* dy, const PartStrides* dy_strides
                   float* partial, int batch, int len, int parts, int heads, int head_dim, float first_scale,
                   cudaStream_t stream);
 
+// attention.cu: softmax(q k^T + masks) v with dropout, q k v [B, heads, T, kAttnHeadDim] (any strides over B,
+// heads and T in elements, d_head contiguous, rows 16-byte aligned), fp16/bf16, 1 <= Tq, Tk <= kAttnMaxLen;
+// key_padding [B, Tk] (nullptr: none); causal: key j hidden from query i when j > i + Tk - Tq. lse [B, heads, Tq]
+// (fp32): each query row's log-sum-exp, which the backward recomputes the probabilities from; the keep-bits of
+// probability (b, h, i, j) are element ((b * heads + h) * Tq + i) * Tk + j's, as dropout_keep_mask draws them
+constexpr int kAttnHeadDim = 64, kAttnMaxLen = 64;
+void attention_forward(DType dt, const void* q, PartStrides qs, const void* k, PartStrides ks, const void* v,
+                       PartStrides vs, const uint8_t* key_padding, bool causal, void* out, PartStrides os, float* lse,
+                       int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream);
+void attention_backward(DType dt, const void* dout, PartStrides dos, const void* q, PartStrides qs, const void* k,
+                        PartStrides ks, const void* v, PartStrides vs, const float* lse, const uint8_t* key_padding,
+                        bool causal, const RngState* rng, float p, void* dq, PartStrides dqs, void* dk,
+                        PartStrides dks, void* dv, PartStrides dvs, int batch, int heads, int tq, int tk,
+                        cudaStream_t stream);
+
 // embedding.cu: tokens/positions [n] (int64); pos_weight the learned or sinusoid table
 void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions, const void* weight,
                        const void* pos_weight, void* out, int64_t n, int dim, float scale,

@@ -1,11 +1,18 @@
 """Scaled dot-product attention over split heads: q, k, v [B, heads, T, d_head].
 
-q arrives already scaled (the qkv op folds 1/sqrt(d_head) in). Two paths:
+q arrives already scaled (the qkv op folds 1/sqrt(d_head) in). Three paths:
+- the fused kernel (csrc/attention.cu) for the short rows of translation
+  batches (fp16/bf16, d_head and both lengths within the extension's
+  ``attention_head_dim`` / ``attention_max_len``): one block per (batch, head)
+  runs both GEMMs, the masked softmax and dropout, never writing the Tq x Tk
+  scores; its backward recomputes them from each row's log-sum-exp, forms the
+  softmax's row term from the fp32 probabilities and dP, and adds nothing
+  with atomics, so it is deterministic;
 - the LightSeq path: GEMM (cuBLAS) -> fused masked softmax + dropout -> GEMM;
   the reference on CPU and the oracle everywhere;
-- torch's scaled_dot_product_attention, which never writes the Tq x Tk
-  scores. Taken on CUDA unless the ``attention`` op is forced to the
-  reference (LS_FAIRSEQ_REFERENCE), a deterministic training step is asked
+- torch's scaled_dot_product_attention for longer rows, which never writes the
+  Tq x Tk scores either. Taken on CUDA unless the ``attention`` op is forced to
+  the reference (LS_FAIRSEQ_REFERENCE), a deterministic training step is asked
   for (FlashAttention's backward accumulates dq with atomic adds, so two runs
   differ in the last bits; the LightSeq path's GEMMs and kernels do not), or
   the caller asks for the probabilities (``fused_softmax``): SDPA's backward
@@ -108,10 +115,38 @@ def attention_reference(q, k, v, mask=None, p=0.0, training=True, dropout_mask=N
     return torch.matmul(probs, v)
 
 
+class AttentionFunction(torch.autograd.Function):
+    """The fused kernel's attention: saves q, k, v and each query row's log-sum-exp (the
+    output's consumer, the out projection, keeps the output itself)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, causal, p):
+        out, lse, dropout = dispatch.extension().attention_forward(q, k, v, key_padding_mask, causal, p)
+        ctx.save_for_backward(q, k, v, lse, key_padding_mask)
+        ctx.causal, ctx.p, ctx.dropout = causal, p, dropout
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, lse, key_padding_mask = ctx.saved_tensors
+        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+        dq, dk, dv = dispatch.extension().attention_backward(dout, q, k, v, lse, key_padding_mask, ctx.causal,
+                                                             ctx.dropout, ctx.p)
+        return dq, dk, dv, None, None, None
+
+
+def _fused_kernel_fits(q, k):
+    ext = dispatch.extension()
+    rows_aligned = all(t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
+                       for t in (q, k))
+    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == ext.attention_head_dim and rows_aligned
+            and 1 <= q.shape[-2] <= ext.attention_max_len and 1 <= k.shape[-2] <= ext.attention_max_len)
+
+
 def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, fused_softmax=False):
     """softmax(q k^T + masks) v with dropout ``p`` on the probabilities; ``mask`` an AttentionMask;
     ``deterministic``: bit-identical results run to run, in training too; ``fused_softmax``: the
-    probabilities materialised (the LightSeq path) even where SDPA could run."""
+    probabilities materialised (the LightSeq path) even where another kernel could run."""
     if not (q.dim() == k.dim() == v.dim() == 4) or q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(
             "attention: q {}, k {}, v {} must be [batch, heads, len, d_head] with matching d_head and k/v lengths".format(
@@ -119,9 +154,13 @@ def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, fus
             )
         )
     p = p if training else 0.0
-    if dispatch.use_kernel("attention", q) and not (deterministic and training) and not fused_softmax:
-        attn_mask, is_causal = mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask else (None, False)
-        with _backends():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal,
-                                                  scale=1.0)
+    if dispatch.use_kernel("attention", q) and not fused_softmax:
+        if _fused_kernel_fits(q, k) and v.stride() == k.stride():
+            kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
+            return AttentionFunction.apply(q, k, v, kpm, causal, p)
+        if not (deterministic and training):
+            attn_mask, is_causal = mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask else (None, False)
+            with _backends():
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal,
+                                                      scale=1.0)
     return attention_reference(q, k, v, mask, p, training)

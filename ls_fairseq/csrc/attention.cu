@@ -1,0 +1,336 @@
+// attention: softmax(q k^T + masks) v with dropout on the probabilities, for short
+// rows (query and key lengths up to kAttnMaxLen, d_head kAttnHeadDim), fp16/bf16.
+// Fuses: the q k^T GEMM, the masked softmax, dropout, the GEMM with v (forward); the
+// same GEMMs again, the softmax and dropout backward, and the three gradient GEMMs
+// (backward). One block per (batch, head) holds its q, k, v rows in shared memory
+// and multiplies them on the tensor cores (WMMA, fp32 accumulation).
+// Never written to memory: the [Tq, Tk] scores, probabilities and their gradients
+// (forward and backward recompute them from q, k and each row's log-sum-exp, the
+// one value a query row keeps), the keep-mask (drawn from Philox for each block's
+// range of the [B, heads, Tq, Tk] element index, again in backward).
+// LightSeq2 technique: its fused masked softmax + dropout with the attention GEMMs
+// around it, taken one step further (FlashAttention's recompute instead of stored
+// probabilities). For the short rows of translation batches the library
+// FlashAttention and memory-efficient kernels tile 128 keys at a time and
+// accumulate dq across blocks with atomics; here a block owns whole rows, so the
+// backward is deterministic and the softmax's row term
+//   D_i = sum_j P_ij dP'_ij  (dP' the gradient of the undropped probabilities)
+// comes from the fp32 probabilities and dP, not from rowsum(dO * O) in fp16.
+// Gradients, with s = q k^T (q pre-scaled), P = softmax(s), keep/(1-p) the dropout,
+// Pd = P * keep / (1 - p), O = Pd v:
+//   dV = Pd^T dO;  dP' = (dO v^T) * keep / (1 - p);  dS = P * (dP' - D);
+//   dQ = dS k;     dK = dS^T q.
+#include <mma.h>
+
+#include "common.cuh"
+
+namespace ls {
+
+namespace {
+
+namespace wmma = nvcuda::wmma;
+
+constexpr int kThreads = 128, kWarps = kThreads / 32, kTile = 16;
+static_assert(kAttnMaxLen <= 64, "a softmax row is two elements a lane");
+constexpr int kLdh = kAttnHeadDim + 8;  // smem pitch of a head row (elements): 16-byte rows, banks staggered
+constexpr int kLdo = kAttnHeadDim + 4;  // fp32 pitch of a [len, d_head] result
+
+__host__ __device__ inline int round16(int n) { return (n + kTile - 1) / kTile * kTile; }
+
+// Shared-memory carve-up of one block; every region starts at a 32-byte multiple (WMMA's alignment).
+struct Layout {
+  int lq, lk, lds, ldp;  // lengths rounded to 16; fp32 and T pitches of [lq, lk] matrices
+  __host__ __device__ Layout(int tq, int tk) : lq(round16(tq)), lk(round16(tk)), lds(lk + 4), ldp(lk + 8) {}
+  template <typename T>
+  __host__ __device__ size_t heads(int rows) const { return size_t(rows) * kLdh * sizeof(T); }
+  template <typename T>
+  __host__ __device__ size_t probs() const { return size_t(lq) * ldp * sizeof(T); }
+  __host__ __device__ size_t scores() const { return size_t(lq) * lds * sizeof(float); }
+  __host__ __device__ size_t result(int rows) const { return size_t(rows) * kLdo * sizeof(float); }
+  __host__ __device__ size_t bits(int tq, int tk) const { return (size_t(tq) * tk / 8 + 2 + 31) / 32 * 32; }
+};
+
+template <typename T>
+size_t forward_smem(int tq, int tk) {
+  const Layout l(tq, tk);
+  const size_t s = l.scores() > l.result(l.lq) ? l.scores() : l.result(l.lq);
+  return l.heads<T>(l.lq) + 2 * l.heads<T>(l.lk) + s + l.probs<T>() + l.bits(tq, tk);
+}
+
+template <typename T>
+size_t backward_smem(int tq, int tk) {
+  const Layout l(tq, tk);
+  const int rows = l.lq > l.lk ? l.lq : l.lk;
+  return 2 * l.heads<T>(l.lq) + 2 * l.heads<T>(l.lk) + 2 * l.scores() + 2 * l.probs<T>() + l.result(rows) +
+         l.bits(tq, tk);
+}
+
+// A [rows, d_head] slice of one (batch, head) into smem rows of pitch kLdh, zero rows up to `padded`.
+template <typename T>
+__device__ void load_rows(T* dst, const T* src, int64_t stride, int rows, int padded) {
+  constexpr int kRowVecs = kAttnHeadDim / kVec<T>;
+  for (int idx = threadIdx.x; idx < padded * kRowVecs; idx += kThreads) {
+    const int r = idx / kRowVecs, c = idx % kRowVecs * kVec<T>;
+    const uint4 v = r < rows ? *reinterpret_cast<const uint4*>(src + r * stride + c) : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(dst + r * kLdh + c) = v;
+  }
+}
+
+// fp32 smem rows (pitch kLdo) to `rows` rows of T in global memory.
+template <typename T>
+__device__ void store_rows(T* dst, int64_t stride, const float* src, int rows) {
+  constexpr int kRowVecs = kAttnHeadDim / kVec<T>;
+  for (int idx = threadIdx.x; idx < rows * kRowVecs; idx += kThreads) {
+    const int r = idx / kRowVecs, c = idx % kRowVecs * kVec<T>;
+    float v[kVec<T>];
+#pragma unroll
+    for (int i = 0; i < kVec<T>; ++i) v[i] = src[r * kLdo + c + i];
+    store<T, kVec<T>>(dst + r * stride + c, v);
+  }
+}
+
+// C (fp32, pitch ldc) = A B over [m, n] tiles of 16, k in tiles of 16, one warp a tile. A tile
+// (m0, kk) sits at a + m0 * a_m + kk * a_k, B's (kk, n0) at b + kk * b_k + n0 * b_n (element strides
+// of the layouts LA and LB, pitch lda and ldb).
+template <typename T, typename LA, typename LB>
+__device__ void gemm(const T* a, int lda, int a_m, int a_k, const T* b, int ldb, int b_k, int b_n, int m, int n,
+                     int k, float* c, int ldc) {
+  const int warp = threadIdx.x >> 5, tiles_n = n / kTile;
+  for (int t = warp; t < (m / kTile) * tiles_n; t += kWarps) {
+    const int m0 = t / tiles_n * kTile, n0 = t % tiles_n * kTile;
+    wmma::fragment<wmma::accumulator, kTile, kTile, kTile, float> acc;
+    wmma::fill_fragment(acc, 0.f);
+    for (int kk = 0; kk < k; kk += kTile) {
+      wmma::fragment<wmma::matrix_a, kTile, kTile, kTile, T, LA> fa;
+      wmma::fragment<wmma::matrix_b, kTile, kTile, kTile, T, LB> fb;
+      wmma::load_matrix_sync(fa, a + m0 * a_m + kk * a_k, lda);
+      wmma::load_matrix_sync(fb, b + kk * b_k + n0 * b_n, ldb);
+      wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::store_matrix_sync(c + m0 * ldc + n0, acc, ldc, wmma::mem_row_major);
+  }
+}
+
+// X Y^T for X [m, d_head] and Y [n, d_head] in smem rows (pitch kLdh): q k^T, dO v^T.
+template <typename T>
+__device__ void gemm_nt(const T* x, const T* y, int m, int n, float* c, int ldc) {
+  gemm<T, wmma::row_major, wmma::col_major>(x, kLdh, kLdh, 1, y, kLdh, 1, kLdh, m, n, kAttnHeadDim, c, ldc);
+}
+
+// P Y for P [m, k] (pitch ldp) and Y [k, d_head] (pitch kLdh): Pd v, dS k.
+template <typename T>
+__device__ void gemm_nn(const T* p, int ldp, const T* y, int m, int k, float* c) {
+  gemm<T, wmma::row_major, wmma::row_major>(p, ldp, ldp, 1, y, kLdh, kLdh, 1, m, kAttnHeadDim, k, c, kLdo);
+}
+
+// P^T Y for P [k, m] (pitch ldp) and Y [k, d_head]: Pd^T dO, dS^T q.
+template <typename T>
+__device__ void gemm_tn(const T* p, int ldp, const T* y, int m, int k, float* c) {
+  gemm<T, wmma::col_major, wmma::row_major>(p, ldp, 1, ldp, y, kLdh, kLdh, 1, m, kAttnHeadDim, k, c, kLdo);
+}
+
+// The keep-bits of the block's elements base .. base + n - 1 of the [B, heads, Tq, Tk] index, a byte
+// per Philox group of 8 (keep8's draw, so Dropout.mask() writes the same mask); bit of element e:
+// keep_bit(bits, base, e).
+__device__ void draw_keep_bits(const RngState& rng, uint64_t base, int n, float p, uint8_t* bits) {
+  const uint64_t g0 = base >> 3, groups = ((base + n - 1) >> 3) - g0 + 1;
+  for (uint64_t g = threadIdx.x; g < groups; g += kThreads) {
+    bool k[8];
+    keep8(rng, g0 + g, p, k);
+    unsigned b = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) b |= unsigned(k[i]) << i;
+    bits[g] = uint8_t(b);
+  }
+}
+
+__device__ __forceinline__ bool keep_bit(const uint8_t* bits, uint64_t base, uint64_t e) {
+  return (bits[(e >> 3) - (base >> 3)] >> (e & 7)) & 1u;
+}
+
+struct Rows {
+  const uint8_t* key_padding;  // [B, Tk] or nullptr
+  bool causal;
+  int tq, tk;
+  __device__ bool masked(int b, int i, int j) const {
+    return j >= tk || (key_padding && key_padding[int64_t(b) * tk + j]) || (causal && j > i + (tk - tq));
+  }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* __restrict__ q, PartStrides qs,
+                                                                     const T* __restrict__ k, PartStrides ks,
+                                                                     const T* __restrict__ v, PartStrides vs,
+                                                                     Rows rows, T* __restrict__ out, PartStrides os,
+                                                                     float* __restrict__ lse, int heads, float p,
+                                                                     RngState rng) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int b = blockIdx.x / heads, h = blockIdx.x % heads, tq = rows.tq, tk = rows.tk;
+  const Layout l(tq, tk);
+  T* const q_s = reinterpret_cast<T*>(smem);
+  T* const k_s = q_s + l.lq * kLdh;
+  T* const v_s = k_s + l.lk * kLdh;
+  float* const s_s = reinterpret_cast<float*>(v_s + l.lk * kLdh);  // scores, then the output
+  const size_t s_bytes = l.scores() > l.result(l.lq) ? l.scores() : l.result(l.lq);
+  T* const p_s = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(s_s) + s_bytes);
+  uint8_t* const bits = reinterpret_cast<uint8_t*>(p_s + l.lq * l.ldp);
+  const uint64_t base = uint64_t(blockIdx.x) * tq * tk;
+
+  load_rows(q_s, q + b * qs.batch + h * qs.head, qs.len, tq, l.lq);
+  load_rows(k_s, k + b * ks.batch + h * ks.head, ks.len, tk, l.lk);
+  load_rows(v_s, v + b * vs.batch + h * vs.head, vs.len, tk, l.lk);
+  if (p > 0.f) draw_keep_bits(rng, base, tq * tk, p, bits);
+  __syncthreads();
+  gemm_nt(q_s, k_s, l.lq, l.lk, s_s, l.lds);
+  __syncthreads();
+  // a warp a row, a lane columns lane and lane + 32
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  for (int i = warp; i < l.lq; i += kWarps) {
+    float s[2], e[2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const int j = lane + 32 * m;
+      s[m] = i < tq && j < l.lk && !rows.masked(b, i, j) ? s_s[i * l.lds + j] : -INFINITY;
+    }
+    const float mx = warp_max(fmaxf(s[0], s[1]));
+#pragma unroll
+    for (int m = 0; m < 2; ++m) e[m] = mx == -INFINITY ? 0.f : expf(s[m] - mx);
+    const float sum = warp_sum(e[0] + e[1]);
+    if (lane == 0 && i < tq) lse[int64_t(blockIdx.x) * tq + i] = mx == -INFINITY ? -INFINITY : mx + logf(sum);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const int j = lane + 32 * m;
+      if (j >= l.lk) continue;
+      float pr = e[m] == 0.f ? 0.f : e[m] / sum;
+      if (p > 0.f && pr != 0.f) pr = keep_bit(bits, base, base + uint64_t(i) * tk + j) ? pr * scale : 0.f;
+      p_s[i * l.ldp + j] = from_f<T>(pr);
+    }
+  }
+  __syncthreads();
+  gemm_nn(p_s, l.ldp, v_s, l.lq, l.lk, s_s);
+  __syncthreads();
+  store_rows(out + b * os.batch + h * os.head, os.len, s_s, tq);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) attention_backward_kernel(
+    const T* __restrict__ dout, PartStrides dos, const T* __restrict__ q, PartStrides qs, const T* __restrict__ k,
+    PartStrides ks, const T* __restrict__ v, PartStrides vs, const float* __restrict__ lse, Rows rows,
+    T* __restrict__ dq, PartStrides dqs, T* __restrict__ dk, PartStrides dks, T* __restrict__ dv, PartStrides dvs,
+    int heads, float p, RngState rng) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int b = blockIdx.x / heads, h = blockIdx.x % heads, tq = rows.tq, tk = rows.tk;
+  const Layout l(tq, tk);
+  T* const q_s = reinterpret_cast<T*>(smem);
+  T* const do_s = q_s + l.lq * kLdh;
+  T* const k_s = do_s + l.lq * kLdh;
+  T* const v_s = k_s + l.lk * kLdh;
+  float* const s_s = reinterpret_cast<float*>(v_s + l.lk * kLdh);
+  float* const dp_s = s_s + l.lq * l.lds;
+  T* const p_s = reinterpret_cast<T*>(dp_s + l.lq * l.lds);  // Pd
+  T* const ds_s = p_s + l.lq * l.ldp;
+  float* const r_s = reinterpret_cast<float*>(ds_s + l.lq * l.ldp);  // each gradient in turn
+  uint8_t* const bits = reinterpret_cast<uint8_t*>(r_s + (l.lq > l.lk ? l.lq : l.lk) * kLdo);
+  const uint64_t base = uint64_t(blockIdx.x) * tq * tk;
+
+  load_rows(q_s, q + b * qs.batch + h * qs.head, qs.len, tq, l.lq);
+  load_rows(do_s, dout + b * dos.batch + h * dos.head, dos.len, tq, l.lq);
+  load_rows(k_s, k + b * ks.batch + h * ks.head, ks.len, tk, l.lk);
+  load_rows(v_s, v + b * vs.batch + h * vs.head, vs.len, tk, l.lk);
+  if (p > 0.f) draw_keep_bits(rng, base, tq * tk, p, bits);
+  __syncthreads();
+  gemm_nt(q_s, k_s, l.lq, l.lk, s_s, l.lds);
+  gemm_nt(do_s, v_s, l.lq, l.lk, dp_s, l.lds);
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  for (int i = warp; i < l.lq; i += kWarps) {
+    const float row_lse = i < tq ? lse[int64_t(blockIdx.x) * tq + i] : -INFINITY;
+    float pr[2], dp[2], kept[2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const int j = lane + 32 * m;
+      const bool live = row_lse != -INFINITY && j < l.lk && !rows.masked(b, i, j);
+      pr[m] = live ? expf(s_s[i * l.lds + j] - row_lse) : 0.f;
+      kept[m] = p > 0.f && live ? (keep_bit(bits, base, base + uint64_t(i) * tk + j) ? scale : 0.f) : 1.f;
+      dp[m] = live ? dp_s[i * l.lds + j] * kept[m] : 0.f;
+    }
+    const float d = warp_sum(pr[0] * dp[0] + pr[1] * dp[1]);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const int j = lane + 32 * m;
+      if (j >= l.lk) continue;
+      p_s[i * l.ldp + j] = from_f<T>(pr[m] * kept[m]);
+      ds_s[i * l.ldp + j] = from_f<T>(pr[m] * (dp[m] - d));
+    }
+  }
+  __syncthreads();
+  gemm_tn(p_s, l.ldp, do_s, l.lk, l.lq, r_s);
+  __syncthreads();
+  store_rows(dv + b * dvs.batch + h * dvs.head, dvs.len, r_s, tk);
+  __syncthreads();
+  gemm_tn(ds_s, l.ldp, q_s, l.lk, l.lq, r_s);
+  __syncthreads();
+  store_rows(dk + b * dks.batch + h * dks.head, dks.len, r_s, tk);
+  __syncthreads();
+  gemm_nn(ds_s, l.ldp, k_s, l.lq, l.lk, r_s);
+  __syncthreads();
+  store_rows(dq + b * dqs.batch + h * dqs.head, dqs.len, r_s, tq);
+}
+
+// Runs the statements with T bound to the 16-bit storage type `dt` names (the tensor cores' inputs).
+#define LS_DISPATCH_HALF(dt, ...)             \
+  switch (dt) {                               \
+    case DType::kFloat16: {                   \
+      using T = __half;                       \
+      __VA_ARGS__;                            \
+      break;                                  \
+    }                                         \
+    case DType::kBFloat16: {                  \
+      using T = __nv_bfloat16;                \
+      __VA_ARGS__;                            \
+      break;                                  \
+    }                                         \
+    default:                                  \
+      break;                                  \
+  }
+
+// Dynamic shared memory beyond the default 48 KB: the kernel's need at the longest rows, allowed once.
+template <auto Kernel>
+void allow_smem(size_t most) {
+  static const cudaError_t set = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(most));
+  (void)set;
+}
+
+}  // namespace
+
+void attention_forward(DType dt, const void* q, PartStrides qs, const void* k, PartStrides ks, const void* v,
+                       PartStrides vs, const uint8_t* key_padding, bool causal, void* out, PartStrides os, float* lse,
+                       int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream) {
+  if (batch == 0 || heads == 0 || tq == 0) return;
+  LS_DISPATCH_HALF(dt, {
+    constexpr auto kernel = attention_forward_kernel<T>;
+    allow_smem<kernel>(forward_smem<T>(kAttnMaxLen, kAttnMaxLen));
+    kernel<<<batch * heads, kThreads, forward_smem<T>(tq, tk), stream>>>((const T*)q, qs, (const T*)k, ks, (const T*)v, vs,
+                                                       Rows{key_padding, causal, tq, tk}, (T*)out, os, lse, heads, p,
+                                                       rng);
+  })
+}
+
+void attention_backward(DType dt, const void* dout, PartStrides dos, const void* q, PartStrides qs, const void* k,
+                        PartStrides ks, const void* v, PartStrides vs, const float* lse, const uint8_t* key_padding,
+                        bool causal, const RngState* rng, float p, void* dq, PartStrides dqs, void* dk,
+                        PartStrides dks, void* dv, PartStrides dvs, int batch, int heads, int tq, int tk,
+                        cudaStream_t stream) {
+  if (batch == 0 || heads == 0 || tq == 0) return;
+  LS_DISPATCH_HALF(dt, {
+    constexpr auto kernel = attention_backward_kernel<T>;
+    allow_smem<kernel>(backward_smem<T>(kAttnMaxLen, kAttnMaxLen));
+    kernel<<<batch * heads, kThreads, backward_smem<T>(tq, tk), stream>>>(
+        (const T*)dout, dos, (const T*)q, qs, (const T*)k, ks, (const T*)v, vs, lse, Rows{key_padding, causal, tq, tk},
+        (T*)dq, dqs, (T*)dk, dks, (T*)dv, dvs, heads, rng ? p : 0.f, rng ? *rng : RngState{});
+  })
+}
+
+}  // namespace ls
