@@ -47,7 +47,7 @@ struct Layout {
   __host__ __device__ size_t probs() const { return size_t(lq) * ldp * sizeof(T); }
   __host__ __device__ size_t scores() const { return size_t(lq) * lds * sizeof(float); }
   __host__ __device__ size_t result(int rows) const { return size_t(rows) * kLdo * sizeof(float); }
-  __host__ __device__ size_t bits(int tq, int tk) const { return (size_t(tq) * tk / 8 + 2 + 31) / 32 * 32; }
+  __host__ __device__ size_t bits(int tq, int tk) const { return (size_t(tq) * tk / 8 + 2 + 8 + 31) / 32 * 32; }
 };
 
 template <typename T>
@@ -148,6 +148,12 @@ __device__ __forceinline__ bool keep_bit(const uint8_t* bits, uint64_t base, uin
   return (bits[(e >> 3) - (base >> 3)] >> (e & 7)) & 1u;
 }
 
+// Columns 0 .. lk - 1 of a smem row of T, a warp's lanes at 32-column strides.
+template <typename T>
+__device__ __forceinline__ void zero_row(T* row, int lk, int lane) {
+  for (int j = lane; j < lk; j += 32) row[j] = from_f<T>(0.f);
+}
+
 struct Rows {
   const uint8_t* key_padding;  // [B, Tk] or nullptr
   bool causal;
@@ -187,17 +193,21 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* __
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
   for (int i = warp; i < l.lq; i += kWarps) {
+    if (i >= tq) {  // padding rows (a branch for the whole warp: nothing of a real row is read for them)
+      zero_row(p_s + i * l.ldp, l.lk, lane);
+      continue;
+    }
     float s[2], e[2];
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const int j = lane + 32 * m;
-      s[m] = i < tq && j < l.lk && !rows.masked(b, i, j) ? s_s[i * l.lds + j] : -INFINITY;
+      s[m] = j < l.lk && !rows.masked(b, i, j) ? s_s[i * l.lds + j] : -INFINITY;
     }
     const float mx = warp_max(fmaxf(s[0], s[1]));
 #pragma unroll
     for (int m = 0; m < 2; ++m) e[m] = mx == -INFINITY ? 0.f : expf(s[m] - mx);
     const float sum = warp_sum(e[0] + e[1]);
-    if (lane == 0 && i < tq) lse[int64_t(blockIdx.x) * tq + i] = mx == -INFINITY ? -INFINITY : mx + logf(sum);
+    if (lane == 0) lse[int64_t(blockIdx.x) * tq + i] = mx == -INFINITY ? -INFINITY : mx + logf(sum);
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const int j = lane + 32 * m;
@@ -246,7 +256,12 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
   for (int i = warp; i < l.lq; i += kWarps) {
-    const float row_lse = i < tq ? lse[int64_t(blockIdx.x) * tq + i] : -INFINITY;
+    if (i >= tq) {  // padding rows: zero, as the gradient GEMMs add over them
+      zero_row(p_s + i * l.ldp, l.lk, lane);
+      zero_row(ds_s + i * l.ldp, l.lk, lane);
+      continue;
+    }
+    const float row_lse = lse[int64_t(blockIdx.x) * tq + i];
     float pr[2], dp[2], kept[2];
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
