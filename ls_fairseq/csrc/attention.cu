@@ -48,13 +48,15 @@ struct Layout {
   __host__ __device__ size_t scores() const { return size_t(lq) * lds * sizeof(float); }
   __host__ __device__ size_t result(int rows) const { return size_t(rows) * kLdo * sizeof(float); }
   __host__ __device__ size_t bits(int tq, int tk) const { return (size_t(tq) * tk / 8 + 2 + 8 + 31) / 32 * 32; }
+  // the rows' log-sum-exps (backward) and the batch row's key padding, read once a block
+  __host__ __device__ size_t row_info(int tk) const { return (size_t(lq) * sizeof(float) + tk + 31) / 32 * 32; }
 };
 
 template <typename T>
 size_t forward_smem(int tq, int tk) {
   const Layout l(tq, tk);
   const size_t s = l.scores() > l.result(l.lq) ? l.scores() : l.result(l.lq);
-  return l.heads<T>(l.lq) + 2 * l.heads<T>(l.lk) + s + l.probs<T>() + l.bits(tq, tk);
+  return l.heads<T>(l.lq) + 2 * l.heads<T>(l.lk) + s + l.probs<T>() + l.bits(tq, tk) + l.row_info(tk);
 }
 
 template <typename T>
@@ -62,7 +64,7 @@ size_t backward_smem(int tq, int tk) {
   const Layout l(tq, tk);
   const int rows = l.lq > l.lk ? l.lq : l.lk;
   return 2 * l.heads<T>(l.lq) + 2 * l.heads<T>(l.lk) + 2 * l.scores() + 2 * l.probs<T>() + l.result(rows) +
-         l.bits(tq, tk);
+         l.bits(tq, tk) + l.row_info(tk);
 }
 
 // A [rows, d_head] slice of one (batch, head) into smem rows of pitch kLdh, zero rows up to `padded`.
@@ -158,9 +160,20 @@ struct Rows {
   const uint8_t* key_padding;  // [B, Tk] or nullptr
   bool causal;
   int tq, tk;
-  __device__ bool masked(int b, int i, int j) const {
-    return j >= tk || (key_padding && key_padding[int64_t(b) * tk + j]) || (causal && j > i + (tk - tq));
+};
+
+// One block's masks: its batch row of the key padding copied to smem `pad` (by the block's threads,
+// before a barrier), so the softmax rows read it there.
+struct BlockMask {
+  const uint8_t* pad;
+  bool causal;
+  int tq, tk;
+  __device__ BlockMask(const Rows& rows, int b, uint8_t* pad_s)
+      : pad(rows.key_padding ? pad_s : nullptr), causal(rows.causal), tq(rows.tq), tk(rows.tk) {
+    if (pad)
+      for (int j = threadIdx.x; j < tk; j += kThreads) pad_s[j] = rows.key_padding[int64_t(b) * tk + j];
   }
+  __device__ bool masked(int i, int j) const { return j >= tk || (pad && pad[j]) || (causal && j > i + (tk - tq)); }
 };
 
 template <typename T>
@@ -181,6 +194,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* __
   T* const p_s = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(s_s) + s_bytes);
   uint8_t* const bits = reinterpret_cast<uint8_t*>(p_s + l.lq * l.ldp);
   const uint64_t base = uint64_t(blockIdx.x) * tq * tk;
+  const BlockMask mask(rows, b, bits + l.bits(tq, tk));
 
   load_rows(q_s, q + b * qs.batch + h * qs.head, qs.len, tq, l.lq);
   load_rows(k_s, k + b * ks.batch + h * ks.head, ks.len, tk, l.lk);
@@ -201,7 +215,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* __
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const int j = lane + 32 * m;
-      s[m] = j < l.lk && !rows.masked(b, i, j) ? s_s[i * l.lds + j] : -INFINITY;
+      s[m] = j < l.lk && !mask.masked(i, j) ? s_s[i * l.lds + j] : -INFINITY;
     }
     const float mx = warp_max(fmaxf(s[0], s[1]));
 #pragma unroll
@@ -242,7 +256,10 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   T* const ds_s = p_s + l.lq * l.ldp;
   float* const r_s = reinterpret_cast<float*>(ds_s + l.lq * l.ldp);  // each gradient in turn
   uint8_t* const bits = reinterpret_cast<uint8_t*>(r_s + (l.lq > l.lk ? l.lq : l.lk) * kLdo);
+  float* const lse_s = reinterpret_cast<float*>(bits + l.bits(tq, tk));
   const uint64_t base = uint64_t(blockIdx.x) * tq * tk;
+  const BlockMask mask(rows, b, reinterpret_cast<uint8_t*>(lse_s + l.lq));
+  for (int i = threadIdx.x; i < tq; i += kThreads) lse_s[i] = lse[int64_t(blockIdx.x) * tq + i];
 
   load_rows(q_s, q + b * qs.batch + h * qs.head, qs.len, tq, l.lq);
   load_rows(do_s, dout + b * dos.batch + h * dos.head, dos.len, tq, l.lq);
@@ -261,12 +278,12 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
       zero_row(ds_s + i * l.ldp, l.lk, lane);
       continue;
     }
-    const float row_lse = lse[int64_t(blockIdx.x) * tq + i];
+    const float row_lse = lse_s[i];
     float pr[2], dp[2], kept[2];
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const int j = lane + 32 * m;
-      const bool live = row_lse != -INFINITY && j < l.lk && !rows.masked(b, i, j);
+      const bool live = row_lse != -INFINITY && j < l.lk && !mask.masked(i, j);
       pr[m] = live ? expf(s_s[i * l.lds + j] - row_lse) : 0.f;
       kept[m] = p > 0.f && live ? (keep_bit(bits, base, base + uint64_t(i) * tk + j) ? scale : 0.f) : 1.f;
       dp[m] = live ? dp_s[i * l.lds + j] * kept[m] : 0.f;
