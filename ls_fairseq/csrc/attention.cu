@@ -311,23 +311,6 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   store_rows(dq + b * dqs.batch + h * dqs.head, dqs.len, r_s, tq);
 }
 
-// Runs the statements with T bound to the 16-bit storage type `dt` names (the tensor cores' inputs).
-#define LS_DISPATCH_HALF(dt, ...)             \
-  switch (dt) {                               \
-    case DType::kFloat16: {                   \
-      using T = __half;                       \
-      __VA_ARGS__;                            \
-      break;                                  \
-    }                                         \
-    case DType::kBFloat16: {                  \
-      using T = __nv_bfloat16;                \
-      __VA_ARGS__;                            \
-      break;                                  \
-    }                                         \
-    default:                                  \
-      break;                                  \
-  }
-
 // Dynamic shared memory beyond the default 48 KB: the kernel's need at the longest rows, allowed once.
 template <auto Kernel>
 void allow_smem(size_t most) {

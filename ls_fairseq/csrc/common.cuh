@@ -225,24 +225,28 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 
 inline int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
+#define LS_DISPATCH_CASE(dtype, type, ...) \
+  case dtype: {                            \
+    using T = type;                        \
+    __VA_ARGS__;                           \
+    break;                                 \
+  }
+
 // Runs the statements with T bound to the storage type that `dt` names.
-#define LS_DISPATCH(dt, ...)                 \
-  switch (dt) {                              \
-    case DType::kFloat32: {                  \
-      using T = float;                       \
-      __VA_ARGS__;                           \
-      break;                                 \
-    }                                        \
-    case DType::kFloat16: {                  \
-      using T = __half;                      \
-      __VA_ARGS__;                           \
-      break;                                 \
-    }                                        \
-    case DType::kBFloat16: {                 \
-      using T = __nv_bfloat16;               \
-      __VA_ARGS__;                           \
-      break;                                 \
-    }                                        \
+#define LS_DISPATCH(dt, ...)                                       \
+  switch (dt) {                                                    \
+    LS_DISPATCH_CASE(DType::kFloat32, float, __VA_ARGS__)          \
+    LS_DISPATCH_CASE(DType::kFloat16, __half, __VA_ARGS__)         \
+    LS_DISPATCH_CASE(DType::kBFloat16, __nv_bfloat16, __VA_ARGS__) \
+  }
+
+// The same for the 16-bit storage types alone (the tensor cores' inputs); fp32 runs nothing.
+#define LS_DISPATCH_HALF(dt, ...)                                  \
+  switch (dt) {                                                    \
+    LS_DISPATCH_CASE(DType::kFloat16, __half, __VA_ARGS__)         \
+    LS_DISPATCH_CASE(DType::kBFloat16, __nv_bfloat16, __VA_ARGS__) \
+    default:                                                       \
+      break;                                                       \
   }
 
 }  // namespace ls
