@@ -135,10 +135,12 @@ class AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def _fused_kernel_fits(q, k):
+def _fused_kernel_fits(q, k, v):
+    """Whether the fused kernel runs these inputs: 16-bit, its d_head, rows of d_head contiguous at
+    16-byte boundaries (any strides over batch, heads and length), both lengths within its rows."""
     ext = dispatch.extension()
     rows_aligned = all(t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
-                       for t in (q, k))
+                       for t in (q, k, v))
     return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == ext.attention_head_dim and rows_aligned
             and 1 <= q.shape[-2] <= ext.attention_max_len and 1 <= k.shape[-2] <= ext.attention_max_len)
 
@@ -155,7 +157,7 @@ def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, fus
         )
     p = p if training else 0.0
     if dispatch.use_kernel("attention", q) and not fused_softmax:
-        if _fused_kernel_fits(q, k) and v.stride() == k.stride():
+        if _fused_kernel_fits(q, k, v):
             kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
             return AttentionFunction.apply(q, k, v, kpm, causal, p)
         if not (deterministic and training):
