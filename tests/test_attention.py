@@ -110,18 +110,19 @@ def test_deterministic_attention_repeats_bit_for_bit():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_softmax_takes_the_lightseq_path(dtype):
-    """With ``fused_softmax`` the GPU runs GEMM -> fused masked softmax -> GEMM (probabilities and
-    the backward's row term from them), not SDPA: the same dropout draws give the reference's bits."""
-    B, H, Tq, Tk, D = 4, 8, 33, 21, 64
-    kernel("softmax", torch.empty(1, device="cuda"))
+def test_exact_row_term_beyond_the_fused_kernel_takes_the_lightseq_path(dtype):
+    """With ``exact_row_term`` and keys longer than the fused kernel's rows, the GPU runs GEMM -> fused
+    masked softmax -> GEMM (the backward's row term from the probabilities), not SDPA: the same
+    dropout draws give the reference's bits."""
+    B, H, Tq, D = 4, 8, 33, 64
+    Tk = kernel("attention", torch.empty(1, device="cuda")).attention_max_len + 16
     q = torch.randn(B, H, Tq, D, device="cuda").to(dtype)
     k, v = (torch.randn(B, H, Tk, D, device="cuda").to(dtype) for _ in range(2))
     dout = torch.randn(B, H, Tq, D, device="cuda").to(dtype)
     kpm = torch.zeros(B, Tk, dtype=torch.bool, device="cuda")
     kpm[2, -6:] = True
     runs = []
-    for fn in (lambda *a: ops.attention(*a, 0.1, True, fused_softmax=True), lambda *a: attention_reference(*a, 0.1)):
+    for fn in (lambda *a: ops.attention(*a, 0.1, True, exact_row_term=True), lambda *a: attention_reference(*a, 0.1)):
         torch.cuda.manual_seed(5)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = fn(*leaves, ops.AttentionMask(kpm))
@@ -199,6 +200,37 @@ def test_self_attention_takes_the_fused_kernel_and_repeats_bit_for_bit(causal):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     long_q = torch.randn(2, 4, 65, D, device="cuda", dtype=torch.float16, requires_grad=True)
     assert type(ops.attention(long_q, long_q, long_q, None, 0.0).grad_fn).__name__ != "AttentionFunctionBackward"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_cross_attention_rows_take_the_fused_kernel(dtype):
+    """Cross-attention (``exact_row_term``, queries and keys of different lengths, the keys a view of
+    all layers' keys as ls_transformer makes them) runs the fused kernel where its rows fit, and its
+    gradients agree with the LightSeq path given the same keep-mask, by the 2x-PyTorch rule."""
+    B, H, Tq, Tk, D, p = 5, 16, 29, 41, 64, 0.1
+    kernel("attention", torch.empty(1, device="cuda", dtype=dtype))
+    q = _heads(B, H, Tq, D, dtype, False) * D**-0.5
+    kv = torch.randn(4, B, H, Tk, D, device="cuda").to(dtype)
+    k, v = kv[1], kv[2]
+    kpm = torch.zeros(B, Tk, dtype=torch.bool, device="cuda")
+    kpm[0, :3] = True
+    kpm[3, -11:] = True
+    mask = ops.AttentionMask(kpm)
+    dout = _heads(B, H, Tq, D, dtype, True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ops.attention(*leaves, mask, p, True, exact_row_term=True)
+    assert type(out.grad_fn).__name__ == "AttentionFunctionBackward"
+    keep = drawn(out.grad_fn.dropout)
+    got = (out,) + torch.autograd.grad(out, leaves, dout)
+
+    def reference(dt):
+        leaves = [t.to(dt).requires_grad_() for t in (q, k, v)]
+        o = attention_reference(*leaves, mask, p, True, keep)
+        return (o,) + torch.autograd.grad(o, leaves, dout.to(dt))
+
+    for g, r64, low, name in zip(got, reference(torch.float64), reference(dtype), ("out", "dq", "dk", "dv")):
+        check_kernel(g, r64, low, name)
 
 
 @pytest.mark.gpu

@@ -148,7 +148,7 @@ class DecoderLayer(_Layer):
         (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight, residual_grad=gemm_residual), attn.q_proj.bias,
                                attn.num_heads, 1, attn.scaling)
         ctx = ops.attention(q, enc_k, enc_v, enc_mask, self.attention_dropout, self.training, self.deterministic,
-                            fused_softmax=True)
+                            exact_row_term=True)
         out = ops.linear(ctx, attn.out_proj.weight, heads=True)
         x = self._block_output(out, attn.out_proj.bias, x, self.encoder_attn_layer_norm, residual)
         return self._ffn(x)

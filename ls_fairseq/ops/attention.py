@@ -15,19 +15,19 @@ q arrives already scaled (the qkv op folds 1/sqrt(d_head) in). Three paths:
   the reference (LS_FAIRSEQ_REFERENCE), a deterministic training step is asked
   for (FlashAttention's backward accumulates dq with atomic adds, so two runs
   differ in the last bits; the LightSeq path's GEMMs and kernels do not), or
-  the caller asks for the probabilities (``fused_softmax``): SDPA's backward
+  the caller asks for the exact row term (``exact_row_term``): SDPA's backward
   forms the softmax's row term sum_j P_ij dP_ij as rowsum(dO * O) from the
-  fp16/bf16 output, the LightSeq path from the probabilities and dP in fp32.
-  ls_transformer asks for them in cross-attention, where stock fairseq also
-  computes the probabilities explicitly in fp32 (its self-attention goes
-  through SDPA, as ours does): measured on the H200 (docs/perf-log.md), SDPA
-  there gave the top decoder layer's cross-attention query gradients 1.5-2.8x
-  stock's error against fp64 (pre-LN, unscaled shared embeddings). Its
-  FlashAttention and memory-efficient kernels only: torch prefers cuDNN's
-  attention on Hopper, which builds an execution plan for every new batch
-  shape (about 10 ms of host time per call, measured on the H200:
-  docs/perf-log.md), so a first epoch, where nearly every batch has a new
-  shape, ran 7x slower than the next.
+  fp16/bf16 output, the fused kernel and the LightSeq path from the fp32
+  probabilities and dP. ls_transformer asks for it in cross-attention, where
+  stock fairseq computes the probabilities explicitly in fp32 (its
+  self-attention goes through SDPA, as ours does beyond the fused kernel's
+  rows): measured on the H200 (docs/perf-log.md), SDPA there gave the top
+  decoder layer's cross-attention query gradients 1.5-2.8x stock's error
+  against fp64 (pre-LN, unscaled shared embeddings). Its FlashAttention and
+  memory-efficient kernels only: torch prefers cuDNN's attention on Hopper,
+  which builds an execution plan for every new batch shape (about 10 ms of
+  host time per call, measured on the H200: docs/perf-log.md), so a first
+  epoch, where nearly every batch has a new shape, ran 7x slower than the next.
 """
 import contextlib
 
@@ -145,10 +145,11 @@ def _fused_kernel_fits(q, k, v):
             and 1 <= q.shape[-2] <= ext.attention_max_len and 1 <= k.shape[-2] <= ext.attention_max_len)
 
 
-def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, fused_softmax=False):
+def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exact_row_term=False):
     """softmax(q k^T + masks) v with dropout ``p`` on the probabilities; ``mask`` an AttentionMask;
-    ``deterministic``: bit-identical results run to run, in training too; ``fused_softmax``: the
-    probabilities materialised (the LightSeq path) even where another kernel could run."""
+    ``deterministic``: bit-identical results run to run, in training too; ``exact_row_term``: the
+    backward forms the softmax's row term from fp32 probabilities (the fused kernel where the rows
+    fit, the LightSeq path beyond them; never SDPA)."""
     if not (q.dim() == k.dim() == v.dim() == 4) or q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(
             "attention: q {}, k {}, v {} must be [batch, heads, len, d_head] with matching d_head and k/v lengths".format(
@@ -156,13 +157,13 @@ def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, fus
             )
         )
     p = p if training else 0.0
-    if dispatch.use_kernel("attention", q) and not fused_softmax:
-        if _fused_kernel_fits(q, k, v):
-            kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
-            return AttentionFunction.apply(q, k, v, kpm, causal, p)
-        if not (deterministic and training):
-            attn_mask, is_causal = mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask else (None, False)
-            with _backends():
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal,
-                                                      scale=1.0)
+    on_kernel = dispatch.use_kernel("attention", q)
+    if on_kernel and _fused_kernel_fits(q, k, v):
+        kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
+        return AttentionFunction.apply(q, k, v, kpm, causal, p)
+    if on_kernel and not exact_row_term and not (deterministic and training):
+        attn_mask, is_causal = mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask else (None, False)
+        with _backends():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal,
+                                                  scale=1.0)
     return attention_reference(q, k, v, mask, p, training)
