@@ -33,7 +33,8 @@ namespace wmma = nvcuda::wmma;
 constexpr int kThreads = 128, kWarps = kThreads / 32, kTile = 16;
 static_assert(kAttnMaxLen <= 64, "a softmax row is two elements a lane");
 constexpr int kLdh = kAttnHeadDim + 8;  // smem pitch of a head row (elements): 16-byte rows, banks staggered
-constexpr int kLdo = kAttnHeadDim + 4;  // fp32 pitch of a [len, d_head] result
+constexpr int kLdt = kTile + 4;  // fp32 pitch of a warp's staging tile: 16-byte rows, banks staggered
+constexpr size_t kStagingBytes = size_t(kWarps) * kTile * kLdt * sizeof(float);
 
 __host__ __device__ inline int round16(int n) { return (n + kTile - 1) / kTile * kTile; }
 
@@ -46,26 +47,34 @@ struct Layout {
   template <typename T>
   __host__ __device__ size_t probs() const { return size_t(lq) * ldp * sizeof(T); }
   __host__ __device__ size_t scores() const { return size_t(lq) * lds * sizeof(float); }
-  __host__ __device__ size_t result(int rows) const { return size_t(rows) * kLdo * sizeof(float); }
   __host__ __device__ size_t bits(int tq, int tk) const { return (size_t(tq) * tk / 8 + 2 + 8 + 31) / 32 * 32; }
   // the rows' log-sum-exps (backward) and the batch row's key padding, read once a block
   __host__ __device__ size_t row_info(int tk) const { return (size_t(lq) * sizeof(float) + tk + 31) / 32 * 32; }
 };
 
+// The scores' region also holds the warps' staging tiles once the scores are dead.
 template <typename T>
 size_t forward_smem(int tq, int tk) {
   const Layout l(tq, tk);
-  const size_t s = l.scores() > l.result(l.lq) ? l.scores() : l.result(l.lq);
+  const size_t s = l.scores() > kStagingBytes ? l.scores() : kStagingBytes;
   return l.heads<T>(l.lq) + 2 * l.heads<T>(l.lk) + s + l.probs<T>() + l.bits(tq, tk) + l.row_info(tk);
 }
 
 template <typename T>
 size_t backward_smem(int tq, int tk) {
   const Layout l(tq, tk);
-  const int rows = l.lq > l.lk ? l.lq : l.lk;
-  return 2 * l.heads<T>(l.lq) + 2 * l.heads<T>(l.lk) + 2 * l.scores() + 2 * l.probs<T>() + l.result(rows) +
-         l.bits(tq, tk) + l.row_info(tk);
+  const size_t s = 2 * l.scores() > kStagingBytes ? 2 * l.scores() : kStagingBytes;
+  return 2 * l.heads<T>(l.lq) + 2 * l.heads<T>(l.lk) + s + 2 * l.probs<T>() + l.bits(tq, tk) + l.row_info(tk);
 }
+
+// Asynchronous 16-byte copy global -> shared (cp.async, sm_80+): every load of a block in flight at
+// once, waited for by cp_async_wait_all before the barrier that publishes them.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
 
 // A [rows, d_head] slice of one (batch, head) into smem rows of pitch kLdh, zero rows up to `padded`.
 template <typename T>
@@ -73,34 +82,25 @@ __device__ void load_rows(T* dst, const T* src, int64_t stride, int rows, int pa
   constexpr int kRowVecs = kAttnHeadDim / kVec<T>;
   for (int idx = threadIdx.x; idx < padded * kRowVecs; idx += kThreads) {
     const int r = idx / kRowVecs, c = idx % kRowVecs * kVec<T>;
-    const uint4 v = r < rows ? *reinterpret_cast<const uint4*>(src + r * stride + c) : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(dst + r * kLdh + c) = v;
+    if (r < rows)
+      cp_async16(dst + r * kLdh + c, src + r * stride + c);
+    else
+      *reinterpret_cast<uint4*>(dst + r * kLdh + c) = make_uint4(0, 0, 0, 0);
   }
 }
 
-// fp32 smem rows (pitch kLdo) to `rows` rows of T in global memory.
-template <typename T>
-__device__ void store_rows(T* dst, int64_t stride, const float* src, int rows) {
-  constexpr int kRowVecs = kAttnHeadDim / kVec<T>;
-  for (int idx = threadIdx.x; idx < rows * kRowVecs; idx += kThreads) {
-    const int r = idx / kRowVecs, c = idx % kRowVecs * kVec<T>;
-    float v[kVec<T>];
-#pragma unroll
-    for (int i = 0; i < kVec<T>; ++i) v[i] = src[r * kLdo + c + i];
-    store<T, kVec<T>>(dst + r * stride + c, v);
-  }
-}
+using Acc = wmma::fragment<wmma::accumulator, kTile, kTile, kTile, float>;
 
-// C (fp32, pitch ldc) = A B over [m, n] tiles of 16, k in tiles of 16, one warp a tile. A tile
-// (m0, kk) sits at a + m0 * a_m + kk * a_k, B's (kk, n0) at b + kk * b_k + n0 * b_n (element strides
-// of the layouts LA and LB, pitch lda and ldb).
-template <typename T, typename LA, typename LB>
+// C = A B over [m, n] tiles of 16, k in tiles of 16, one warp a tile, each tile handed to
+// `put(acc, m0, n0)`. A tile (m0, kk) sits at a + m0 * a_m + kk * a_k, B's (kk, n0) at
+// b + kk * b_k + n0 * b_n (element strides of the layouts LA and LB, pitch lda and ldb).
+template <typename T, typename LA, typename LB, typename Put>
 __device__ void gemm(const T* a, int lda, int a_m, int a_k, const T* b, int ldb, int b_k, int b_n, int m, int n,
-                     int k, float* c, int ldc) {
+                     int k, const Put& put) {
   const int warp = threadIdx.x >> 5, tiles_n = n / kTile;
   for (int t = warp; t < (m / kTile) * tiles_n; t += kWarps) {
     const int m0 = t / tiles_n * kTile, n0 = t % tiles_n * kTile;
-    wmma::fragment<wmma::accumulator, kTile, kTile, kTile, float> acc;
+    Acc acc;
     wmma::fill_fragment(acc, 0.f);
     for (int kk = 0; kk < k; kk += kTile) {
       wmma::fragment<wmma::matrix_a, kTile, kTile, kTile, T, LA> fa;
@@ -109,26 +109,59 @@ __device__ void gemm(const T* a, int lda, int a_m, int a_k, const T* b, int ldb,
       wmma::load_matrix_sync(fb, b + kk * b_k + n0 * b_n, ldb);
       wmma::mma_sync(acc, fa, fb, acc);
     }
-    wmma::store_matrix_sync(c + m0 * ldc + n0, acc, ldc, wmma::mem_row_major);
+    put(acc, m0, n0);
   }
 }
 
-// X Y^T for X [m, d_head] and Y [n, d_head] in smem rows (pitch kLdh): q k^T, dO v^T.
+// Tiles into an fp32 smem matrix of pitch ldc.
+struct ToSmem {
+  float* c;
+  int ldc;
+  __device__ void operator()(const Acc& acc, int m0, int n0) const {
+    wmma::store_matrix_sync(c + m0 * ldc + n0, acc, ldc, wmma::mem_row_major);
+  }
+};
+
+// Tiles straight to rows 0 .. rows - 1 of a [rows, d_head] slice of T in global memory (row pitch
+// `stride`) through the warp's own staging tile: no barrier of the block between a gradient GEMM
+// and its stores, nor between one gradient GEMM and the next.
 template <typename T>
-__device__ void gemm_nt(const T* x, const T* y, int m, int n, float* c, int ldc) {
-  gemm<T, wmma::row_major, wmma::col_major>(x, kLdh, kLdh, 1, y, kLdh, 1, kLdh, m, n, kAttnHeadDim, c, ldc);
+struct ToGlobal {
+  T* dst;
+  int64_t stride;
+  int rows;
+  float* staging;  // kWarps tiles of kTile x kLdt
+  __device__ void operator()(const Acc& acc, int m0, int n0) const {
+    float* const tile = staging + (threadIdx.x >> 5) * kTile * kLdt;
+    wmma::store_matrix_sync(tile, acc, kLdt, wmma::mem_row_major);
+    __syncwarp();
+    const int lane = threadIdx.x & 31, r = lane >> 1, c = (lane & 1) * 8;
+    if (m0 + r < rows) {
+      const float4 a = *reinterpret_cast<const float4*>(tile + r * kLdt + c);
+      const float4 b = *reinterpret_cast<const float4*>(tile + r * kLdt + c + 4);
+      const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      store<T, 8>(dst + (m0 + r) * stride + n0 + c, v);
+    }
+    __syncwarp();  // the tile is read before the warp's next one overwrites it
+  }
+};
+
+// X Y^T for X [m, d_head] and Y [n, d_head] in smem rows (pitch kLdh): q k^T, dO v^T.
+template <typename T, typename Put>
+__device__ void gemm_nt(const T* x, const T* y, int m, int n, const Put& put) {
+  gemm<T, wmma::row_major, wmma::col_major>(x, kLdh, kLdh, 1, y, kLdh, 1, kLdh, m, n, kAttnHeadDim, put);
 }
 
 // P Y for P [m, k] (pitch ldp) and Y [k, d_head] (pitch kLdh): Pd v, dS k.
-template <typename T>
-__device__ void gemm_nn(const T* p, int ldp, const T* y, int m, int k, float* c) {
-  gemm<T, wmma::row_major, wmma::row_major>(p, ldp, ldp, 1, y, kLdh, kLdh, 1, m, kAttnHeadDim, k, c, kLdo);
+template <typename T, typename Put>
+__device__ void gemm_nn(const T* p, int ldp, const T* y, int m, int k, const Put& put) {
+  gemm<T, wmma::row_major, wmma::row_major>(p, ldp, ldp, 1, y, kLdh, kLdh, 1, m, kAttnHeadDim, k, put);
 }
 
 // P^T Y for P [k, m] (pitch ldp) and Y [k, d_head]: Pd^T dO, dS^T q.
-template <typename T>
-__device__ void gemm_tn(const T* p, int ldp, const T* y, int m, int k, float* c) {
-  gemm<T, wmma::col_major, wmma::row_major>(p, ldp, 1, ldp, y, kLdh, kLdh, 1, m, kAttnHeadDim, k, c, kLdo);
+template <typename T, typename Put>
+__device__ void gemm_tn(const T* p, int ldp, const T* y, int m, int k, const Put& put) {
+  gemm<T, wmma::col_major, wmma::row_major>(p, ldp, 1, ldp, y, kLdh, kLdh, 1, m, kAttnHeadDim, k, put);
 }
 
 // The keep-bits of the block's elements base .. base + n - 1 of the [B, heads, Tq, Tk] index, a byte
@@ -189,8 +222,8 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* __
   T* const q_s = reinterpret_cast<T*>(smem);
   T* const k_s = q_s + l.lq * kLdh;
   T* const v_s = k_s + l.lk * kLdh;
-  float* const s_s = reinterpret_cast<float*>(v_s + l.lk * kLdh);  // scores, then the output
-  const size_t s_bytes = l.scores() > l.result(l.lq) ? l.scores() : l.result(l.lq);
+  float* const s_s = reinterpret_cast<float*>(v_s + l.lk * kLdh);  // scores, then the staging tiles
+  const size_t s_bytes = l.scores() > kStagingBytes ? l.scores() : kStagingBytes;
   T* const p_s = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(s_s) + s_bytes);
   uint8_t* const bits = reinterpret_cast<uint8_t*>(p_s + l.lq * l.ldp);
   const uint64_t base = uint64_t(blockIdx.x) * tq * tk;
@@ -200,8 +233,9 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* __
   load_rows(k_s, k + b * ks.batch + h * ks.head, ks.len, tk, l.lk);
   load_rows(v_s, v + b * vs.batch + h * vs.head, vs.len, tk, l.lk);
   if (p > 0.f) draw_keep_bits(rng, base, tq * tk, p, bits);
+  cp_async_wait_all();
   __syncthreads();
-  gemm_nt(q_s, k_s, l.lq, l.lk, s_s, l.lds);
+  gemm_nt(q_s, k_s, l.lq, l.lk, ToSmem{s_s, l.lds});
   __syncthreads();
   // a warp a row, a lane columns lane and lane + 32
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -232,9 +266,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* __
     }
   }
   __syncthreads();
-  gemm_nn(p_s, l.ldp, v_s, l.lq, l.lk, s_s);
-  __syncthreads();
-  store_rows(out + b * os.batch + h * os.head, os.len, s_s, tq);
+  gemm_nn(p_s, l.ldp, v_s, l.lq, l.lk, ToGlobal<T>{out + b * os.batch + h * os.head, os.len, tq, s_s});
 }
 
 template <typename T>
@@ -252,10 +284,11 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   T* const v_s = k_s + l.lk * kLdh;
   float* const s_s = reinterpret_cast<float*>(v_s + l.lk * kLdh);
   float* const dp_s = s_s + l.lq * l.lds;
-  T* const p_s = reinterpret_cast<T*>(dp_s + l.lq * l.lds);  // Pd
+  // s_s and dp_s, then the staging tiles
+  const size_t s_bytes = 2 * l.scores() > kStagingBytes ? 2 * l.scores() : kStagingBytes;
+  T* const p_s = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(s_s) + s_bytes);  // Pd
   T* const ds_s = p_s + l.lq * l.ldp;
-  float* const r_s = reinterpret_cast<float*>(ds_s + l.lq * l.ldp);  // each gradient in turn
-  uint8_t* const bits = reinterpret_cast<uint8_t*>(r_s + (l.lq > l.lk ? l.lq : l.lk) * kLdo);
+  uint8_t* const bits = reinterpret_cast<uint8_t*>(ds_s + l.lq * l.ldp);
   float* const lse_s = reinterpret_cast<float*>(bits + l.bits(tq, tk));
   const uint64_t base = uint64_t(blockIdx.x) * tq * tk;
   const BlockMask mask(rows, b, reinterpret_cast<uint8_t*>(lse_s + l.lq));
@@ -266,9 +299,10 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   load_rows(k_s, k + b * ks.batch + h * ks.head, ks.len, tk, l.lk);
   load_rows(v_s, v + b * vs.batch + h * vs.head, vs.len, tk, l.lk);
   if (p > 0.f) draw_keep_bits(rng, base, tq * tk, p, bits);
+  cp_async_wait_all();
   __syncthreads();
-  gemm_nt(q_s, k_s, l.lq, l.lk, s_s, l.lds);
-  gemm_nt(do_s, v_s, l.lq, l.lk, dp_s, l.lds);
+  gemm_nt(q_s, k_s, l.lq, l.lk, ToSmem{s_s, l.lds});
+  gemm_nt(do_s, v_s, l.lq, l.lk, ToSmem{dp_s, l.lds});
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
@@ -298,17 +332,9 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
     }
   }
   __syncthreads();
-  gemm_tn(p_s, l.ldp, do_s, l.lk, l.lq, r_s);
-  __syncthreads();
-  store_rows(dv + b * dvs.batch + h * dvs.head, dvs.len, r_s, tk);
-  __syncthreads();
-  gemm_tn(ds_s, l.ldp, q_s, l.lk, l.lq, r_s);
-  __syncthreads();
-  store_rows(dk + b * dks.batch + h * dks.head, dks.len, r_s, tk);
-  __syncthreads();
-  gemm_nn(ds_s, l.ldp, k_s, l.lq, l.lk, r_s);
-  __syncthreads();
-  store_rows(dq + b * dqs.batch + h * dqs.head, dqs.len, r_s, tq);
+  gemm_tn(p_s, l.ldp, do_s, l.lk, l.lq, ToGlobal<T>{dv + b * dvs.batch + h * dvs.head, dvs.len, tk, s_s});
+  gemm_tn(ds_s, l.ldp, q_s, l.lk, l.lq, ToGlobal<T>{dk + b * dks.batch + h * dks.head, dks.len, tk, s_s});
+  gemm_nn(ds_s, l.ldp, k_s, l.lq, l.lk, ToGlobal<T>{dq + b * dqs.batch + h * dqs.head, dqs.len, tq, s_s});
 }
 
 // Dynamic shared memory beyond the default 48 KB: the kernel's need at the longest rows, allowed once.
