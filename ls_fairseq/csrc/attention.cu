@@ -33,15 +33,17 @@ namespace wmma = nvcuda::wmma;
 constexpr int kThreads = 128, kWarps = kThreads / 32, kTile = 16;
 static_assert(kAttnMaxLen <= 64, "a softmax row is two elements a lane");
 constexpr int kLdh = kAttnHeadDim + 8;  // smem pitch of a head row (elements): 16-byte rows, banks staggered
-constexpr int kLdt = kTile + 4;  // fp32 pitch of a warp's staging tile: 16-byte rows, banks staggered
+constexpr int kLdt = kTile + 8;  // fp32 pitch of a warp's staging tile: its fragment stores conflict-free
 constexpr size_t kStagingBytes = size_t(kWarps) * kTile * kLdt * sizeof(float);
 
 __host__ __device__ inline int round16(int n) { return (n + kTile - 1) / kTile * kTile; }
 
 // Shared-memory carve-up of one block; every region starts at a 32-byte multiple (WMMA's alignment).
 struct Layout {
-  int lq, lk, lds, ldp;  // lengths rounded to 16; fp32 and T pitches of [lq, lk] matrices
-  __host__ __device__ Layout(int tq, int tk) : lq(round16(tq)), lk(round16(tk)), lds(lk + 4), ldp(lk + 8) {}
+  // lengths rounded to 16; fp32 and T pitches of [lq, lk] matrices (fp32 rows 8 words apart modulo the 32
+  // banks: the fragment stores are conflict-free)
+  int lq, lk, lds, ldp;
+  __host__ __device__ Layout(int tq, int tk) : lq(round16(tq)), lk(round16(tk)), lds(lk + 8), ldp(lk + 8) {}
   template <typename T>
   __host__ __device__ size_t heads(int rows) const { return size_t(rows) * kLdh * sizeof(T); }
   template <typename T>
@@ -87,6 +89,14 @@ __device__ void load_rows(T* dst, const T* src, int64_t stride, int rows, int pa
     else
       *reinterpret_cast<uint4*>(dst + r * kLdh + c) = make_uint4(0, 0, 0, 0);
   }
+}
+
+// Two values as 16-bit T in one word (first in the low half), for the tiles' 16-byte stores (__stwb: a
+// plain store of a Pack or a uint4 compiled to 16-bit or 32-bit pieces here).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  const T lo = from_f<T>(a), hi = from_f<T>(b);
+  return uint32_t(reinterpret_cast<const uint16_t&>(lo)) | uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16;
 }
 
 using Acc = wmma::fragment<wmma::accumulator, kTile, kTile, kTile, float>;
@@ -139,8 +149,8 @@ struct ToGlobal {
     if (m0 + r < rows) {
       const float4 a = *reinterpret_cast<const float4*>(tile + r * kLdt + c);
       const float4 b = *reinterpret_cast<const float4*>(tile + r * kLdt + c + 4);
-      const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-      store<T, 8>(dst + (m0 + r) * stride + n0 + c, v);
+      __stwb(reinterpret_cast<uint4*>(dst + (m0 + r) * stride + n0 + c),
+             make_uint4(pack2<T>(a.x, a.y), pack2<T>(a.z, a.w), pack2<T>(b.x, b.y), pack2<T>(b.z, b.w)));
     }
     __syncwarp();  // the tile is read before the warp's next one overwrites it
   }
@@ -165,8 +175,8 @@ __device__ void gemm_tn(const T* p, int ldp, const T* y, int m, int k, const Put
 }
 
 // The keep-bits of the block's elements base .. base + n - 1 of the [B, heads, Tq, Tk] index, a byte
-// per Philox group of 8 (keep8's draw, so Dropout.mask() writes the same mask); bit of element e:
-// keep_bit(bits, base, e).
+// per Philox group of 8 (keep8's draw, so Dropout.mask() writes the same mask); the bit of the block's
+// element e (0 .. n - 1): keep_bit(bits, (base & 7) + e).
 __device__ void draw_keep_bits(const RngState& rng, uint64_t base, int n, float p, uint8_t* bits) {
   const uint64_t g0 = base >> 3, groups = ((base + n - 1) >> 3) - g0 + 1;
   for (uint64_t g = threadIdx.x; g < groups; g += kThreads) {
@@ -179,9 +189,7 @@ __device__ void draw_keep_bits(const RngState& rng, uint64_t base, int n, float 
   }
 }
 
-__device__ __forceinline__ bool keep_bit(const uint8_t* bits, uint64_t base, uint64_t e) {
-  return (bits[(e >> 3) - (base >> 3)] >> (e & 7)) & 1u;
-}
+__device__ __forceinline__ bool keep_bit(const uint8_t* bits, int at) { return (bits[at >> 3] >> (at & 7)) & 1u; }
 
 // Columns 0 .. lk - 1 of a smem row of T, a warp's lanes at 32-column strides.
 template <typename T>
@@ -206,8 +214,93 @@ struct BlockMask {
     if (pad)
       for (int j = threadIdx.x; j < tk; j += kThreads) pad_s[j] = rows.key_padding[int64_t(b) * tk + j];
   }
-  __device__ bool masked(int i, int j) const { return j >= tk || (pad && pad[j]) || (causal && j > i + (tk - tq)); }
+  // key j exists and is not padding (the same for every row: a lane reads it once)
+  __device__ bool key_live(int j) const { return j < tk && !(pad && pad[j]); }
+  // key j is after query i (causal; with Tq < Tk the queries are the last Tq positions)
+  __device__ bool after(int i, int j) const { return causal && j > i + (tk - tq); }
 };
+
+// The forward's softmax rows, a warp a row, a lane kCols columns (lane, lane + 32; kCols = 1 where the
+// keys fit in one column a lane): Pd (dropped and scaled) into p_s, each row's log-sum-exp into lse.
+template <int kCols, typename T>
+__device__ void forward_rows(const Layout& l, const BlockMask& mask, const float* s_s, T* p_s,
+                             const uint8_t* bits, int bit0, float p, float* lse) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  bool key[kCols];
+#pragma unroll
+  for (int m = 0; m < kCols; ++m) key[m] = mask.key_live(lane + 32 * m);
+  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  for (int i = warp; i < l.lq; i += kWarps) {
+    if (i >= mask.tq) {  // padding rows (a branch for the whole warp: nothing of a real row is read for them)
+      zero_row(p_s + i * l.ldp, l.lk, lane);
+      continue;
+    }
+    float s[kCols], mx = -INFINITY;
+#pragma unroll
+    for (int m = 0; m < kCols; ++m) {
+      const int j = lane + 32 * m;
+      s[m] = key[m] && !mask.after(i, j) ? s_s[i * l.lds + j] : -INFINITY;
+      mx = fmaxf(mx, s[m]);
+    }
+    mx = warp_max(mx);
+    float e[kCols], sum = 0.f;
+#pragma unroll
+    for (int m = 0; m < kCols; ++m) {
+      e[m] = mx == -INFINITY ? 0.f : __expf(s[m] - mx);  // ex2.approx: a few ulp, far below 16-bit rounding
+      sum += e[m];
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) lse[i] = mx == -INFINITY ? -INFINITY : mx + logf(sum);
+    const float inv = mx == -INFINITY ? 0.f : scale / sum;
+    const int row = bit0 + i * mask.tk;
+#pragma unroll
+    for (int m = 0; m < kCols; ++m) {
+      const int j = lane + 32 * m;
+      if (j >= l.lk) continue;
+      const bool dropped = p > 0.f && !keep_bit(bits, row + j);
+      p_s[i * l.ldp + j] = from_f<T>(dropped ? 0.f : e[m] * inv);
+    }
+  }
+}
+
+// The backward's softmax rows (the layout of forward_rows): Pd into p_s, dS = P * (dP' - D) into ds_s,
+// from the recomputed P = exp(s - lse), dP = dO v^T and the keep-bits.
+template <int kCols, typename T>
+__device__ void backward_rows(const Layout& l, const BlockMask& mask, const float* s_s, const float* dp_s,
+                              const float* lse_s, T* p_s, T* ds_s, const uint8_t* bits, int bit0, float p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  bool key[kCols];
+#pragma unroll
+  for (int m = 0; m < kCols; ++m) key[m] = mask.key_live(lane + 32 * m);
+  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  for (int i = warp; i < l.lq; i += kWarps) {
+    if (i >= mask.tq) {  // padding rows: zero, as the gradient GEMMs add over them
+      zero_row(p_s + i * l.ldp, l.lk, lane);
+      zero_row(ds_s + i * l.ldp, l.lk, lane);
+      continue;
+    }
+    const float row_lse = lse_s[i];
+    const int row = bit0 + i * mask.tk;
+    float pr[kCols], dp[kCols], kept[kCols], d = 0.f;
+#pragma unroll
+    for (int m = 0; m < kCols; ++m) {
+      const int j = lane + 32 * m;
+      const bool live = row_lse != -INFINITY && key[m] && !mask.after(i, j);
+      pr[m] = live ? __expf(s_s[i * l.lds + j] - row_lse) : 0.f;
+      kept[m] = p > 0.f ? (keep_bit(bits, row + j) ? scale : 0.f) : 1.f;
+      dp[m] = live ? dp_s[i * l.lds + j] * kept[m] : 0.f;
+      d += pr[m] * dp[m];
+    }
+    d = warp_sum(d);
+#pragma unroll
+    for (int m = 0; m < kCols; ++m) {
+      const int j = lane + 32 * m;
+      if (j >= l.lk) continue;
+      p_s[i * l.ldp + j] = from_f<T>(pr[m] * kept[m]);
+      ds_s[i * l.ldp + j] = from_f<T>(pr[m] * (dp[m] - d));
+    }
+  }
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* __restrict__ q, PartStrides qs,
@@ -237,34 +330,11 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* __
   __syncthreads();
   gemm_nt(q_s, k_s, l.lq, l.lk, ToSmem{s_s, l.lds});
   __syncthreads();
-  // a warp a row, a lane columns lane and lane + 32
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
-  for (int i = warp; i < l.lq; i += kWarps) {
-    if (i >= tq) {  // padding rows (a branch for the whole warp: nothing of a real row is read for them)
-      zero_row(p_s + i * l.ldp, l.lk, lane);
-      continue;
-    }
-    float s[2], e[2];
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const int j = lane + 32 * m;
-      s[m] = j < l.lk && !mask.masked(i, j) ? s_s[i * l.lds + j] : -INFINITY;
-    }
-    const float mx = warp_max(fmaxf(s[0], s[1]));
-#pragma unroll
-    for (int m = 0; m < 2; ++m) e[m] = mx == -INFINITY ? 0.f : expf(s[m] - mx);
-    const float sum = warp_sum(e[0] + e[1]);
-    if (lane == 0) lse[int64_t(blockIdx.x) * tq + i] = mx == -INFINITY ? -INFINITY : mx + logf(sum);
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const int j = lane + 32 * m;
-      if (j >= l.lk) continue;
-      float pr = e[m] == 0.f ? 0.f : e[m] / sum;
-      if (p > 0.f && pr != 0.f) pr = keep_bit(bits, base, base + uint64_t(i) * tk + j) ? pr * scale : 0.f;
-      p_s[i * l.ldp + j] = from_f<T>(pr);
-    }
-  }
+  float* const row_lse = lse + int64_t(blockIdx.x) * tq;
+  if (l.lk <= 32)
+    forward_rows<1>(l, mask, s_s, p_s, bits, int(base & 7), p, row_lse);
+  else
+    forward_rows<2>(l, mask, s_s, p_s, bits, int(base & 7), p, row_lse);
   __syncthreads();
   gemm_nn(p_s, l.ldp, v_s, l.lq, l.lk, ToGlobal<T>{out + b * os.batch + h * os.head, os.len, tq, s_s});
 }
@@ -304,33 +374,10 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   gemm_nt(q_s, k_s, l.lq, l.lk, ToSmem{s_s, l.lds});
   gemm_nt(do_s, v_s, l.lq, l.lk, ToSmem{dp_s, l.lds});
   __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
-  for (int i = warp; i < l.lq; i += kWarps) {
-    if (i >= tq) {  // padding rows: zero, as the gradient GEMMs add over them
-      zero_row(p_s + i * l.ldp, l.lk, lane);
-      zero_row(ds_s + i * l.ldp, l.lk, lane);
-      continue;
-    }
-    const float row_lse = lse_s[i];
-    float pr[2], dp[2], kept[2];
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const int j = lane + 32 * m;
-      const bool live = row_lse != -INFINITY && j < l.lk && !mask.masked(i, j);
-      pr[m] = live ? expf(s_s[i * l.lds + j] - row_lse) : 0.f;
-      kept[m] = p > 0.f && live ? (keep_bit(bits, base, base + uint64_t(i) * tk + j) ? scale : 0.f) : 1.f;
-      dp[m] = live ? dp_s[i * l.lds + j] * kept[m] : 0.f;
-    }
-    const float d = warp_sum(pr[0] * dp[0] + pr[1] * dp[1]);
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const int j = lane + 32 * m;
-      if (j >= l.lk) continue;
-      p_s[i * l.ldp + j] = from_f<T>(pr[m] * kept[m]);
-      ds_s[i * l.ldp + j] = from_f<T>(pr[m] * (dp[m] - d));
-    }
-  }
+  if (l.lk <= 32)
+    backward_rows<1>(l, mask, s_s, dp_s, lse_s, p_s, ds_s, bits, int(base & 7), p);
+  else
+    backward_rows<2>(l, mask, s_s, dp_s, lse_s, p_s, ds_s, bits, int(base & 7), p);
   __syncthreads();
   gemm_tn(p_s, l.ldp, do_s, l.lk, l.lq, ToGlobal<T>{dv + b * dvs.batch + h * dvs.head, dvs.len, tk, s_s});
   gemm_tn(ds_s, l.ldp, q_s, l.lk, l.lq, ToGlobal<T>{dk + b * dks.batch + h * dks.head, dks.len, tk, s_s});
