@@ -112,8 +112,8 @@ def test_deterministic_attention_repeats_bit_for_bit():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_exact_row_term_beyond_the_fused_kernel_takes_the_lightseq_path(dtype):
     """With ``exact_row_term`` and keys longer than the fused kernel's rows, the GPU runs GEMM -> fused
-    masked softmax -> GEMM (the backward's row term from the probabilities), not SDPA: the same
-    dropout draws give the reference's bits."""
+    masked softmax -> GEMM (the backward's row term from the probabilities), not SDPA, keeping no
+    probabilities (its backward computes them again): the same dropout draws give the reference's bits."""
     B, H, Tq, D = 4, 8, 33, 64
     Tk = kernel("attention", torch.empty(1, device="cuda")).attention_max_len + 16
     q = torch.randn(B, H, Tq, D, device="cuda").to(dtype)
@@ -125,10 +125,41 @@ def test_exact_row_term_beyond_the_fused_kernel_takes_the_lightseq_path(dtype):
     for fn in (lambda *a: ops.attention(*a, 0.1, True, exact_row_term=True), lambda *a: attention_reference(*a, 0.1)):
         torch.cuda.manual_seed(5)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        before = torch.cuda.memory_allocated()
         out = fn(*leaves, ops.AttentionMask(kpm))
+        held = torch.cuda.memory_allocated() - before
+        runs.append([out] + list(torch.autograd.grad(out, leaves, dout)) + [held])
+    assert type(runs[0][0].grad_fn).__name__ == "RecomputedAttentionFunctionBackward"
+    for a, b, name in zip(runs[0][:4], runs[1][:4], ("out", "dq", "dk", "dv")):
+        assert torch.equal(a, b), name
+    # after the forward it holds its output, not the probabilities (the stored path: two more [B, H, Tq, Tk])
+    out_bytes, probs_bytes = runs[0][0].numel() * 2, B * H * Tq * Tk * 2
+    kept = [r[-1] for r in runs]
+    assert kept[0] < out_bytes + probs_bytes // 2 < kept[1], kept
+
+
+@pytest.mark.parametrize("causal,p", [(False, 0.0), (False, 0.2), (True, 0.1)])
+def test_recomputed_attention_is_the_lightseq_path(causal, p):
+    """The LightSeq path that keeps only q, k, v (its backward runs the scores and the softmax again)
+    gives the stored-probabilities path's output and gradients, with the same dropout draws."""
+    from ls_fairseq.ops.attention import RecomputedAttentionFunction
+
+    B, H, Tq, Tk, D = 3, 2, 7, 9, 8
+    q = torch.randn(B, H, Tq, D, dtype=torch.float64)
+    k, v = (torch.randn(B, H, Tk, D, dtype=torch.float64) for _ in range(2))
+    kpm = torch.zeros(B, Tk, dtype=torch.bool)
+    kpm[1, -3:] = True
+    kpm[2, :2] = True
+    dout = torch.randn(B, H, Tq, D, dtype=torch.float64)
+    runs = []
+    for fn in (lambda *a: RecomputedAttentionFunction.apply(*a, kpm, causal, p),
+               lambda *a: attention_reference(*a, ops.AttentionMask(kpm, causal), p)):
+        torch.manual_seed(7)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
         runs.append([out] + list(torch.autograd.grad(out, leaves, dout)))
     for a, b, name in zip(*runs, ("out", "dq", "dk", "dv")):
-        assert torch.equal(a, b), name
+        assert_close(a, b, rtol=1e-12, atol=1e-12, what=name)
 
 
 def _heads(B, H, T, D, dtype, token_major):

@@ -9,7 +9,12 @@ q arrives already scaled (the qkv op folds 1/sqrt(d_head) in). Three paths:
   softmax's row term from the fp32 probabilities and dP, and adds nothing
   with atomics, so it is deterministic;
 - the LightSeq path: GEMM (cuBLAS) -> fused masked softmax + dropout -> GEMM;
-  the reference on CPU and the oracle everywhere;
+  the reference on CPU and the oracle everywhere. On the GPU, for rows beyond
+  the fused kernel where SDPA is not taken (below), it keeps only q, k, v and
+  the dropout's state: its backward runs the scores' GEMM and the softmax
+  again (the same keep-bits), where keeping the probabilities cost two
+  [B, heads, Tq, Tk] tensors a layer (at 16,384 tokens the cross-attention of
+  a batch of long sentences held 744 MiB at the memory peak: docs/perf-log.md);
 - torch's scaled_dot_product_attention for longer rows, which never writes the
   Tq x Tk scores either. Taken on CUDA unless the ``attention`` op is forced to
   the reference (LS_FAIRSEQ_REFERENCE), a deterministic training step is asked
@@ -44,7 +49,7 @@ except ImportError:
     _backends = contextlib.nullcontext
 
 from ls_fairseq.ops import dispatch
-from ls_fairseq.ops.softmax import softmax
+from ls_fairseq.ops.softmax import softmax, softmax_backward_reference, softmax_forward_reference
 
 
 class AttentionMask:
@@ -135,6 +140,36 @@ class AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+def _keep_mask(dropout):
+    """The keep-mask a forward's dropout applied (None without dropout): the reference's mask
+    itself, or the kernel's keep-bits drawn again into bytes."""
+    return dropout if dropout is None or torch.is_tensor(dropout) else dropout.mask()
+
+
+class RecomputedAttentionFunction(torch.autograd.Function):
+    """The LightSeq path keeping q, k, v and the dropout's state only: the backward computes the
+    scores and the softmax again, giving the same probabilities (the same GEMM and kernel on the
+    same inputs) and the forward's dropout (its keep-mask given back to the softmax)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, causal, p):
+        fwd, bwd = dispatch.implementation("softmax", q, softmax_forward_reference, softmax_backward_reference)
+        dropped, _, dropout = fwd(torch.matmul(q, k.transpose(-1, -2)), key_padding_mask, causal, p, None)
+        ctx.fwd, ctx.bwd, ctx.causal, ctx.p = fwd, bwd, causal, p
+        dispatch.save_with_dropout(ctx, (q, k, v, key_padding_mask), dropout)
+        return torch.matmul(dropped, v)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (q, k, v, key_padding_mask), dropout = dispatch.saved_with_dropout(ctx)
+        dropped, probs, given = ctx.fwd(torch.matmul(q, k.transpose(-1, -2)), key_padding_mask, ctx.causal, ctx.p,
+                                        _keep_mask(dropout))
+        dv = torch.matmul(dropped.transpose(-1, -2), dout)
+        ds = ctx.bwd(torch.matmul(dout, v.transpose(-1, -2)), probs, given, ctx.p)
+        # dk as [B, heads, Tk, d_head] rows (as ScoresFunction gives it)
+        return torch.matmul(ds, k), torch.matmul(ds.transpose(-1, -2), q), dv, None, None, None
+
+
 def _fused_kernel_fits(q, k, v):
     """Whether the fused kernel runs these inputs: 16-bit, its d_head, rows of d_head contiguous at
     16-byte boundaries (any strides over batch, heads and length), both lengths within its rows."""
@@ -157,13 +192,13 @@ def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exa
             )
         )
     p = p if training else 0.0
-    on_kernel = dispatch.use_kernel("attention", q)
-    if on_kernel and _fused_kernel_fits(q, k, v):
-        kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
+    if not dispatch.use_kernel("attention", q):
+        return attention_reference(q, k, v, mask, p, training)
+    kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
+    if _fused_kernel_fits(q, k, v):
         return AttentionFunction.apply(q, k, v, kpm, causal, p)
-    if on_kernel and not exact_row_term and not (deterministic and training):
-        attn_mask, is_causal = mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask else (None, False)
-        with _backends():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal,
-                                                  scale=1.0)
-    return attention_reference(q, k, v, mask, p, training)
+    if exact_row_term or (deterministic and training):
+        return RecomputedAttentionFunction.apply(q, k, v, kpm, causal, p)
+    attn_mask, is_causal = mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask else (None, False)
+    with _backends():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal, scale=1.0)
