@@ -133,7 +133,8 @@ def test_exact_row_term_beyond_the_fused_kernel_takes_the_lightseq_path(dtype):
     for a, b, name in zip(runs[0][:4], runs[1][:4], ("out", "dq", "dk", "dv")):
         assert torch.equal(a, b), name
     # after the forward it holds its output, not the probabilities (the stored path: two more [B, H, Tq, Tk])
-    out_bytes, probs_bytes = runs[0][0].numel() * 2, B * H * Tq * Tk * 2
+    size = runs[0][0].element_size()
+    out_bytes, probs_bytes = runs[0][0].numel() * size, B * H * Tq * Tk * size
     kept = [r[-1] for r in runs]
     assert kept[0] < out_bytes + probs_bytes // 2 < kept[1], kept
 
