@@ -220,17 +220,28 @@ struct BlockMask {
   __device__ bool after(int i, int j) const { return causal && j > i + (tk - tq); }
 };
 
+// A warp's share of the softmax rows: its lane's kCols columns (lane, lane + 32) and whether each holds
+// a live key (present, not padding: the same for every row), and the dropout's scale.
+template <int kCols>
+struct RowLanes {
+  int warp, lane;
+  bool key[kCols];
+  float scale;
+  __device__ RowLanes(const BlockMask& mask, float p) : warp(threadIdx.x >> 5), lane(threadIdx.x & 31) {
+#pragma unroll
+    for (int m = 0; m < kCols; ++m) key[m] = mask.key_live(lane + 32 * m);
+    scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  }
+};
+
 // The forward's softmax rows, a warp a row, a lane kCols columns (lane, lane + 32; kCols = 1 where the
 // keys fit in one column a lane): Pd (dropped and scaled) into p_s, each row's log-sum-exp into lse.
 template <int kCols, typename T>
 __device__ void forward_rows(const Layout& l, const BlockMask& mask, const float* s_s, T* p_s,
                              const uint8_t* bits, int bit0, float p, float* lse) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  bool key[kCols];
-#pragma unroll
-  for (int m = 0; m < kCols; ++m) key[m] = mask.key_live(lane + 32 * m);
-  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
-  for (int i = warp; i < l.lq; i += kWarps) {
+  const RowLanes<kCols> w(mask, p);
+  const int lane = w.lane;
+  for (int i = w.warp; i < l.lq; i += kWarps) {
     if (i >= mask.tq) {  // padding rows (a branch for the whole warp: nothing of a real row is read for them)
       zero_row(p_s + i * l.ldp, l.lk, lane);
       continue;
@@ -239,7 +250,7 @@ __device__ void forward_rows(const Layout& l, const BlockMask& mask, const float
 #pragma unroll
     for (int m = 0; m < kCols; ++m) {
       const int j = lane + 32 * m;
-      s[m] = key[m] && !mask.after(i, j) ? s_s[i * l.lds + j] : -INFINITY;
+      s[m] = w.key[m] && !mask.after(i, j) ? s_s[i * l.lds + j] : -INFINITY;
       mx = fmaxf(mx, s[m]);
     }
     mx = warp_max(mx);
@@ -251,7 +262,7 @@ __device__ void forward_rows(const Layout& l, const BlockMask& mask, const float
     }
     sum = warp_sum(sum);
     if (lane == 0) lse[i] = mx == -INFINITY ? -INFINITY : mx + logf(sum);
-    const float inv = mx == -INFINITY ? 0.f : scale / sum;
+    const float inv = mx == -INFINITY ? 0.f : w.scale / sum;
     const int row = bit0 + i * mask.tk;
 #pragma unroll
     for (int m = 0; m < kCols; ++m) {
@@ -268,12 +279,9 @@ __device__ void forward_rows(const Layout& l, const BlockMask& mask, const float
 template <int kCols, typename T>
 __device__ void backward_rows(const Layout& l, const BlockMask& mask, const float* s_s, const float* dp_s,
                               const float* lse_s, T* p_s, T* ds_s, const uint8_t* bits, int bit0, float p) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  bool key[kCols];
-#pragma unroll
-  for (int m = 0; m < kCols; ++m) key[m] = mask.key_live(lane + 32 * m);
-  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
-  for (int i = warp; i < l.lq; i += kWarps) {
+  const RowLanes<kCols> w(mask, p);
+  const int lane = w.lane;
+  for (int i = w.warp; i < l.lq; i += kWarps) {
     if (i >= mask.tq) {  // padding rows: zero, as the gradient GEMMs add over them
       zero_row(p_s + i * l.ldp, l.lk, lane);
       zero_row(ds_s + i * l.ldp, l.lk, lane);
@@ -285,9 +293,9 @@ __device__ void backward_rows(const Layout& l, const BlockMask& mask, const floa
 #pragma unroll
     for (int m = 0; m < kCols; ++m) {
       const int j = lane + 32 * m;
-      const bool live = row_lse != -INFINITY && key[m] && !mask.after(i, j);
+      const bool live = row_lse != -INFINITY && w.key[m] && !mask.after(i, j);
       pr[m] = live ? __expf(s_s[i * l.lds + j] - row_lse) : 0.f;
-      kept[m] = p > 0.f ? (keep_bit(bits, row + j) ? scale : 0.f) : 1.f;
+      kept[m] = p > 0.f ? (keep_bit(bits, row + j) ? w.scale : 0.f) : 1.f;
       dp[m] = live ? dp_s[i * l.lds + j] * kept[m] : 0.f;
       d += pr[m] * dp[m];
     }
