@@ -91,14 +91,6 @@ __device__ void load_rows(T* dst, const T* src, int64_t stride, int rows, int pa
   }
 }
 
-// Two values as 16-bit T in one word (first in the low half), for the tiles' 16-byte stores (__stwb: a
-// plain store of a Pack or a uint4 compiled to 16-bit or 32-bit pieces here).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  const T lo = from_f<T>(a), hi = from_f<T>(b);
-  return uint32_t(reinterpret_cast<const uint16_t&>(lo)) | uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16;
-}
-
 using Acc = wmma::fragment<wmma::accumulator, kTile, kTile, kTile, float>;
 
 // C = A B over [m, n] tiles of 16, k in tiles of 16, one warp a tile, each tile handed to
@@ -149,8 +141,8 @@ struct ToGlobal {
     if (m0 + r < rows) {
       const float4 a = *reinterpret_cast<const float4*>(tile + r * kLdt + c);
       const float4 b = *reinterpret_cast<const float4*>(tile + r * kLdt + c + 4);
-      __stwb(reinterpret_cast<uint4*>(dst + (m0 + r) * stride + n0 + c),
-             make_uint4(pack2<T>(a.x, a.y), pack2<T>(a.z, a.w), pack2<T>(b.x, b.y), pack2<T>(b.z, b.w)));
+      const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      store<T, 8>(dst + (m0 + r) * stride + n0 + c, v);
     }
     __syncwarp();  // the tile is read before the warp's next one overwrites it
   }

@@ -43,12 +43,20 @@ __device__ __forceinline__ void load(const T* p, float (&out)[N]) {
   for (int i = 0; i < N; ++i) out[i] = to_f(pk.v[i]);
 }
 
+// A 16-byte pack leaves as one 16-byte store (__stwb of a uint4): the plain store of a Pack compiled to
+// 16-bit pieces in some kernels (the attention output, the LayerNorm backward's dx).
 template <typename T, int N>
 __device__ __forceinline__ void store(T* p, const float (&in)[N]) {
   Pack<T, N> pk;
 #pragma unroll
   for (int i = 0; i < N; ++i) pk.v[i] = from_f<T>(in[i]);
-  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+  if constexpr (sizeof(pk) == sizeof(uint4)) {
+    uint4 u;
+    memcpy(&u, &pk, sizeof(u));
+    __stwb(reinterpret_cast<uint4*>(p), u);
+  } else {
+    *reinterpret_cast<Pack<T, N>*>(p) = pk;
+  }
 }
 
 template <int N>
