@@ -249,7 +249,7 @@ __device__ void forward_rows(const Layout& l, const BlockMask& mask, const float
     float e[kCols], sum = 0.f;
 #pragma unroll
     for (int m = 0; m < kCols; ++m) {
-      e[m] = mx == -INFINITY ? 0.f : __expf(s[m] - mx);  // ex2.approx: a few ulp, far below 16-bit rounding
+      e[m] = mx == -INFINITY ? 0.f : exp_ftz(s[m] - mx);
       sum += e[m];
     }
     sum = warp_sum(sum);
@@ -286,7 +286,7 @@ __device__ void backward_rows(const Layout& l, const BlockMask& mask, const floa
     for (int m = 0; m < kCols; ++m) {
       const int j = lane + 32 * m;
       const bool live = row_lse != -INFINITY && w.key[m] && !mask.after(i, j);
-      pr[m] = live ? __expf(s_s[i * l.lds + j] - row_lse) : 0.f;
+      pr[m] = live ? exp_ftz(s_s[i * l.lds + j] - row_lse) : 0.f;
       kept[m] = p > 0.f ? (keep_bit(bits, row + j) ? w.scale : 0.f) : 1.f;
       dp[m] = live ? dp_s[i * l.lds + j] * kept[m] : 0.f;
       d += pr[m] * dp[m];

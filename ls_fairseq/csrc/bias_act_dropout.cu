@@ -52,6 +52,11 @@ struct BadBackwardMap {
   int hidden, activation;
   float p;
   template <int N>
+  __device__ void prefetch(int64_t r, int c) const {
+    prefetch_line(dout + r * hidden + c);
+    prefetch_line(x + r * hidden + c);
+  }
+  template <int N>
   __device__ void operator()(int64_t r, int c, float (&v)[1][N]) const {
     const int64_t e = r * hidden + c;
     float xv[N], bv[N];

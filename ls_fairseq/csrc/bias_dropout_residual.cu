@@ -40,6 +40,10 @@ struct BdrBackwardMap {
   int hidden;
   float p;
   template <int N>
+  __device__ void prefetch(int64_t r, int c) const {
+    prefetch_line(dout + r * hidden + c);
+  }
+  template <int N>
   __device__ void operator()(int64_t r, int c, float (&v)[1][N]) const {
     const int64_t e = r * hidden + c;
     const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;

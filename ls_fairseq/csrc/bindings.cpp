@@ -369,8 +369,8 @@ Tensor key_padding_bytes(const std::optional<Tensor>& key_padding_mask, int64_t 
   if (!key_padding_mask) return Tensor();
   check(*key_padding_mask, "key_padding_mask");
   check_shape(*key_padding_mask, {batch, tk}, "key_padding_mask");
-  return key_padding_mask->scalar_type() == at::kBool ? key_padding_mask->view(at::kByte)
-                                                      : key_padding_mask->to(at::kByte);
+  // one byte a key, 0 or 1 (the kernels gather the bytes' low bits): a bool mask's own bytes
+  return (key_padding_mask->scalar_type() == at::kBool ? *key_padding_mask : key_padding_mask->ne(0)).view(at::kByte);
 }
 
 std::tuple<Tensor, Tensor, std::optional<Dropout>> softmax_forward(const Tensor& scores,

@@ -41,13 +41,13 @@ __global__ void ce_forward_kernel(const T* __restrict__ logits, const int64_t* _
       vm = fmaxf(vm, v[i]);
     }
     if (vm > m) {
-      s = m == -INFINITY ? 0.f : s * exp2f((m - vm) * kLog2e);
+      s = m == -INFINITY ? 0.f : s * exp2_ftz((m - vm) * kLog2e);
       m = vm;
     }
     if (m != -INFINITY) {
       const float ml = m * kLog2e;
 #pragma unroll
-      for (int i = 0; i < V; ++i) s += exp2f(fmaf(v[i], kLog2e, -ml));
+      for (int i = 0; i < V; ++i) s += exp2_ftz(fmaf(v[i], kLog2e, -ml));
     }
   }
   for (int o = 16; o > 0; o >>= 1) {
@@ -102,7 +102,7 @@ __global__ void ce_backward_kernel(const float* __restrict__ dloss, int64_t dlos
     load<T, V>(x + j, v);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      const float p = __expf(v[i] - l), hit = j + i == t ? 1.f : 0.f;
+      const float p = exp_ftz(v[i] - l), hit = j + i == t ? 1.f : 0.f;
       v[i] = gl * (p - eps_i - c * hit) + gn * (p - hit);
     }
     store<T, V>(dx + j, v);

@@ -208,6 +208,11 @@ struct LnParamMap {
   const float* rstd;
   int hidden;
   template <int N>
+  __device__ void prefetch(int64_t r, int c) const {
+    prefetch_line(dy + r * hidden + c);
+    prefetch_line(x + r * hidden + c);
+  }
+  template <int N>
   __device__ void operator()(int64_t r, int c, float (&v)[2][N]) const {
     float xv[N];
     load<T, N>(dy + r * hidden + c, v[1]);
@@ -270,8 +275,12 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, group = warp / SPLIT, half = warp % SPLIT;
   const int64_t r0 = int64_t(blockIdx.x) * strip, r1 = r0 + strip < rows ? r0 + strip : rows;
   const T* const g0 = gamma + half * C;
+  const float inv_hidden = 1.f / hidden;
   float acc[W][K][V] = {};
   Pack<T, V> next_dy[W], next_x[W];
+  float next_mu = 0.f, next_rs = 0.f;
+  // the row's statistics travel with its dy and x: loaded at the top of the row's use, they cost
+  // every row a dependent global load's latency
   auto fetch = [&](int64_t row) {
 #pragma unroll
     for (int it = 0; it < W; ++it) {
@@ -279,6 +288,8 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
       next_dy[it] = *reinterpret_cast<const Pack<T, V>*>(dy + c);
       next_x[it] = *reinterpret_cast<const Pack<T, V>*>(x + c);
     }
+    next_mu = mean[row];
+    next_rs = rstd[row];
   };
   int64_t r = r0 + group;
   if (r < r1) fetch(r);
@@ -289,8 +300,8 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
       cur_dy[it] = next_dy[it];
       cur_x[it] = next_x[it];
     }
+    const float mu = next_mu, rs = next_rs;
     if (r + kStripRows < r1) fetch(r + kStripRows);
-    const float mu = mean[r], rs = rstd[r];
     float d[W][V], xh[W][V], sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int it = 0; it < W; ++it) {
@@ -320,7 +331,7 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
         sgx += halves[group][parity][h][1];
       }
     }
-    const float mg = sg / hidden, mgx = sgx / hidden;
+    const float mg = sg * inv_hidden, mgx = sgx * inv_hidden;
 #pragma unroll
     for (int it = 0; it < W; ++it) {
       const int c = (it * 32 + lane) * V;

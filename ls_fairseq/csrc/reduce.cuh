@@ -12,6 +12,7 @@
 // A thread handles V adjacent columns (16-byte accesses when the caller allows),
 // a block 32 * V columns by 8 rows at a time.
 //   f: template <int N> __device__ void operator()(int64_t row, int col, float (&v)[K][N]) const;
+//   and optionally template <int N> __device__ void prefetch(int64_t row, int col) const;  // prefetch_line of its inputs
 #pragma once
 
 #include "common.cuh"
@@ -19,6 +20,7 @@
 namespace ls {
 
 constexpr int kRowTile = 8;
+constexpr int kPrefetchTiles = 4;
 
 template <int K>
 struct GradOuts {
@@ -125,8 +127,17 @@ __global__ void map_column_sum_kernel(F f, float* __restrict__ partial, int64_t 
   const int64_t r0 = chunk * chunk_rows;
   const int64_t r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
   float acc[K][V] = {};
-  if (col0 < cols)
+  // a functor with a prefetch (its inputs at (row, col)) has its rows asked of L2 kPrefetchTiles row
+  // tiles ahead: each thread walks its rows one after another, and a row's loads would otherwise
+  // wait out the DRAM latency in turn
+  constexpr bool kPrefetch = requires { f.template prefetch<V>(int64_t(0), 0); };
+  if (col0 < cols) {
+    if constexpr (kPrefetch)
+      for (int j = 1; j < kPrefetchTiles; ++j)
+        if (r0 + threadIdx.y + j * kRowTile < r1) f.template prefetch<V>(r0 + threadIdx.y + j * kRowTile, col0);
     for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowTile) {
+      if constexpr (kPrefetch)
+        if (r + kPrefetchTiles * kRowTile < r1) f.template prefetch<V>(r + kPrefetchTiles * kRowTile, col0);
       float v[K][V];
       f.template operator()<V>(r, col0, v);
 #pragma unroll
@@ -134,6 +145,7 @@ __global__ void map_column_sum_kernel(F f, float* __restrict__ partial, int64_t 
 #pragma unroll
         for (int i = 0; i < V; ++i) acc[k][i] += v[k][i];
     }
+  }
 #pragma unroll
   for (int k = 0; k < K; ++k)
 #pragma unroll

@@ -18,39 +18,56 @@
 namespace ls {
 
 struct RowInfo {
-  const uint8_t* key_padding;
+  const uint8_t* key_padding;  // 0 or 1 a byte (the bindings pass a bool mask's bytes, or mask != 0)
   bool causal;
   int heads, tq, tk;
+  bool fast;  // rows and heads x tq below 2^31: the row's batch and query index by FastDiv
+  FastDiv per_batch, per_query;
+  RowInfo(const uint8_t* key_padding, bool causal, int heads, int tq, int tk, int64_t rows)
+      : key_padding(key_padding), causal(causal), heads(heads), tq(tq), tk(tk),
+        fast(rows < (int64_t(1) << 31) && int64_t(heads) * tq < (int64_t(1) << 31)),
+        per_batch(fast ? unsigned(heads * tq) : 1u), per_query(unsigned(tq)) {}
 };
 
+// Bits 0..3 of the result: whether bytes 0..3 of w (0 or 1 each) are 1. The multiply moves byte
+// i's bit to bit 24 + i; every other product bit lands apart from them, so no carry reaches them.
+__device__ __forceinline__ unsigned byte_bits4(unsigned w) { return (w * 0x01020408u) >> 24 & 0xFu; }
+
 // The masks of one row, resolved once per row: key j is masked when padded or after `last`.
-// The row's batch and query index in 32-bit arithmetic whenever the numbers fit (a 64-bit
-// division is a long software routine, a large share of a short row's instructions).
 struct RowMask {
   const uint8_t* padding;
   int last;
   __device__ RowMask(const RowInfo& info, int64_t row) {
-    const int64_t per_batch = int64_t(info.heads) * info.tq;
     int64_t b;
     int q;
-    if (row <= 0xFFFFFFFFll && per_batch <= 0xFFFFFFFFll) {
-      b = unsigned(row) / unsigned(per_batch);
-      q = int(unsigned(row) % unsigned(info.tq));
+    if (info.fast) {
+      const unsigned n = unsigned(row);
+      b = info.per_batch(n);
+      q = int(n - info.per_query(n) * unsigned(info.tq));
     } else {
-      b = row / per_batch;
+      b = row / (int64_t(info.heads) * info.tq);
       q = int(row % info.tq);
     }
     padding = info.key_padding ? info.key_padding + b * info.tk : nullptr;
     last = info.causal ? q + info.tk - info.tq : info.tk - 1;
   }
   __device__ bool operator()(int j) const { return j > last || (padding && padding[j]); }
-  // keys j0 .. j0 + N - 1, the padding bytes in one access (j0 a multiple of N, the rows 8-byte aligned)
+  // keys j0 .. j0 + N - 1 as bits (bit i: key j0 + i masked); N = 8: j0 a multiple of 8, the rows
+  // 8-byte aligned, the padding's 8 bytes in one access
   template <int N>
-  __device__ void run(int j0, bool (&out)[N]) const {
-    bool pad[N] = {};
-    if (padding) load_mask<N>(padding + j0, pad);
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = j0 + i > last || pad[i];
+  __device__ unsigned bits(int j0) const {
+    static_assert(N == 1 || N == 8, "a key or a run of 8");
+    if constexpr (N == 1) {
+      return (*this)(j0) ? 1u : 0u;
+    } else {
+      unsigned pad = 0;
+      if (padding) {
+        const uint2 w = *reinterpret_cast<const uint2*>(padding + j0);
+        pad = byte_bits4(w.x) | byte_bits4(w.y) << 4;
+      }
+      const int live = last - j0 + 1;  // keys j0 .. last are not after `last`
+      return pad | (live <= 0 ? 0xFFu : live >= 8 ? 0u : 0xFFu << live & 0xFFu);
+    }
   }
 };
 
@@ -90,15 +107,15 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
     const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
     constexpr int N = CONTIG ? 8 : 1;
     float t[N];
-    bool hidden[N];
+    unsigned hidden = ~0u;
     const bool in = valid && j0 < tk;  // CONTIG: tk % 8 == 0, so a run is all in or all out
     if (in) {
       load<T, N>(s + j0, t);
-      masked.template run<N>(j0, hidden);
+      hidden = masked.template bits<N>(j0);
     }
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      v[k0 + i] = (in && !hidden[i]) ? t[i] : -INFINITY;
+      v[k0 + i] = hidden >> i & 1u ? -INFINITY : t[i];
       m = fmaxf(m, v[k0 + i]);
     }
   }
@@ -106,7 +123,7 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
   float sum = 0.f;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
-    v[k] = m == -INFINITY ? 0.f : __expf(v[k] - m);  // ex2.approx: a few ulp where the probabilities matter
+    v[k] = m == -INFINITY ? 0.f : exp_ftz(v[k] - m);
     sum += v[k];
   }
   sum = group_sum<GROUP>(sum);
@@ -247,7 +264,7 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
                      int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream) {
   const int64_t rows = int64_t(batch) * heads * tq;
   if (rows == 0 || tk == 0) return;
-  RowInfo info{key_padding, causal, heads, tq, tk};
+  const RowInfo info(key_padding, causal, heads, tq, tk, rows);
   LS_DISPATCH(dt, {
     const int run = 8 * sizeof(T);
     const bool contig = tk % 8 == 0 && aligned_to(scores, run) && aligned_to(probs, run) &&
