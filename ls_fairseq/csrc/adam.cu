@@ -149,12 +149,10 @@ __global__ void grad_norm_kernel(const T* __restrict__ x, int64_t n, float* __re
   s = block_sum(s);
   if (threadIdx.x == 0) {
     partial[blockIdx.x] = s;
-    __threadfence();  // the partial is visible before the counter says so
-    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    last = arrive(counter) == gridDim.x - 1;  // the partial is visible before the counter says so
   }
   __syncthreads();
   if (!last) return;
-  __threadfence();
   s = 0.f;
   for (int i = threadIdx.x; i < gridDim.x; i += blockDim.x) s += __ldcg(partial + i);
   s = block_sum(s);

@@ -33,13 +33,21 @@ struct BadForward {
   const T* bias;
   int hidden, activation;
   template <int N>
-  __device__ void values(int64_t r, int c, float (&v)[N]) const {
-    load_biased<T, N>(x + r * hidden + c, bias + c, v);
+  struct In {
+    Pack<T, N> x, bias;
+  };
+  template <int N>
+  __device__ In<N> fetch(int64_t r, int c) const {
+    return {load_pack<T, N>(x + r * hidden + c), load_pack<T, N>(bias + c)};
+  }
+  template <int N>
+  __device__ void values(const In<N>& in, float (&v)[N]) const {
+    add_unpacked(in.x, in.bias, v);
 #pragma unroll
     for (int i = 0; i < N; ++i) v[i] = act(v[i], activation);
   }
   template <int N>
-  __device__ void finish(int64_t, int, float (&)[N]) const {}
+  __device__ void finish(const In<N>&, float (&)[N]) const {}
 };
 
 template <typename T>
@@ -52,24 +60,17 @@ struct BadBackwardMap {
   int hidden, activation;
   float p;
   template <int N>
-  __device__ void prefetch(int64_t r, int c) const {
-    prefetch_line(dout + r * hidden + c);
-    prefetch_line(x + r * hidden + c);
-  }
-  template <int N>
   __device__ void operator()(int64_t r, int c, float (&v)[1][N]) const {
     const int64_t e = r * hidden + c;
-    float xv[N], bv[N];
+    float xv[N], bv[N] = {};
     bool keep[N];
-    load<T, N>(dout + e, v[0]);
-    load<T, N>(x + e, xv);
-    if (bias) {
-      load<T, N>(bias + c, bv);
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; ++i) bv[i] = 0.f;
-    }
+    const Pack<T, N> d = load_pack<T, N>(dout + e), xp = load_pack<T, N>(x + e);  // in flight during the draw
+    Pack<T, N> bp{};
+    if (bias) bp = load_pack<T, N>(bias + c);
     keeps.run<N>(e, p, keep);
+    unpack(d, v[0]);
+    unpack(xp, xv);
+    if (bias) unpack(bp, bv);
     const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
 #pragma unroll
     for (int i = 0; i < N; ++i) v[0][i] = keep[i] ? v[0][i] * scale * act_grad(xv[i] + bv[i], activation) : 0.f;

@@ -20,13 +20,21 @@ struct BdrForward {
   const T* residual;
   int hidden;
   template <int N>
-  __device__ void values(int64_t r, int c, float (&v)[N]) const {
-    load_biased<T, N>(x + r * hidden + c, bias + c, v);
+  struct In {
+    Pack<T, N> x, bias, residual;
+  };
+  template <int N>
+  __device__ In<N> fetch(int64_t r, int c) const {
+    return {load_pack<T, N>(x + r * hidden + c), load_pack<T, N>(bias + c), load_pack<T, N>(residual + r * hidden + c)};
   }
   template <int N>
-  __device__ void finish(int64_t r, int c, float (&v)[N]) const {
+  __device__ void values(const In<N>& in, float (&v)[N]) const {
+    add_unpacked(in.x, in.bias, v);
+  }
+  template <int N>
+  __device__ void finish(const In<N>& in, float (&v)[N]) const {
     float rv[N];
-    load<T, N>(residual + r * hidden + c, rv);
+    unpack(in.residual, rv);
 #pragma unroll
     for (int i = 0; i < N; ++i) v[i] += rv[i];
   }
@@ -40,16 +48,13 @@ struct BdrBackwardMap {
   int hidden;
   float p;
   template <int N>
-  __device__ void prefetch(int64_t r, int c) const {
-    prefetch_line(dout + r * hidden + c);
-  }
-  template <int N>
   __device__ void operator()(int64_t r, int c, float (&v)[1][N]) const {
     const int64_t e = r * hidden + c;
     const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
     bool keep[N];
-    load<T, N>(dout + e, v[0]);
+    const Pack<T, N> d = load_pack<T, N>(dout + e);  // in flight during the draw
     keeps.run<N>(e, p, keep);
+    unpack(d, v[0]);
 #pragma unroll
     for (int i = 0; i < N; ++i) v[0][i] = keep[i] ? v[0][i] * scale : 0.f;
     store<T, N>(dx + e, v[0]);

@@ -1,5 +1,5 @@
 // Shared device helpers of the ls_fairseq kernels: storage types, fp32
-// conversion, warp/block reductions, 16-byte vector access, and a Philox4x32-7
+// conversion, warp/block reductions, 16-byte vector access, and a Philox4x32-10
 // counter-based generator (Salmon et al., SC'11) for dropout masks, keyed by the
 // (seed, offset) that torch's CUDA generator hands out, so --seed reproduces runs.
 #pragma once
@@ -36,15 +36,29 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
+// A load in two steps: load_pack issues it, unpack converts what arrived. A kernel that draws dropout
+// keep-bits issues its loads, draws, then unpacks: converting right after the load would stall the
+// thread there, and ptxas does not move the draw's instructions (behind its branches) above the stall,
+// so each thread would wait out the load's latency first and run its Philox rounds after.
 template <typename T, int N>
-__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
-  Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, N>*>(p);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void unpack(const Pack<T, N>& pk, float (&out)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = to_f(pk.v[i]);
 }
 
-// A 16-byte pack leaves as one 16-byte store (a uint4's): the plain store of a Pack compiled to 16-bit
-// pieces in some kernels (the attention output, the LayerNorm backward's dx).
+template <typename T, int N>
+__device__ __forceinline__ void load(const T* p, float (&out)[N]) {
+  unpack(load_pack<T, N>(p), out);
+}
+
+// A 16-byte pack leaves as one 16-byte store (__stwb of a uint4): the plain store of a Pack compiled to
+// 16-bit pieces in some kernels (the attention output, the LayerNorm backward's dx), and a plain store
+// of the uint4 to four 32-bit ones in the attention kernels (run 45: backward 0.069 -> 0.085 ms).
 template <typename T, int N>
 __device__ __forceinline__ void store(T* p, const float (&in)[N]) {
   Pack<T, N> pk;
@@ -53,20 +67,10 @@ __device__ __forceinline__ void store(T* p, const float (&in)[N]) {
   if constexpr (sizeof(pk) == sizeof(uint4)) {
     uint4 u;
     memcpy(&u, &pk, sizeof(u));
-    *reinterpret_cast<uint4*>(p) = u;
+    __stwb(reinterpret_cast<uint4*>(p), u);
   } else {
     *reinterpret_cast<Pack<T, N>*>(p) = pk;
   }
-}
-
-// Asks L2 for the 128-byte line holding p (no register waits for it): a later load of that line
-// finds it in L2 instead of waiting out the DRAM latency.
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
-// prefetch_l2 from the thread whose 16-byte piece starts a 128-byte line: one request a line, not one
-// a thread.
-__device__ __forceinline__ void prefetch_line(const void* p) {
-  if ((reinterpret_cast<uintptr_t>(p) & 127) < 16) prefetch_l2(p);
 }
 
 // e^x and 2^x by the SFU's ex2.approx with results below 2^-126 flushed to zero: a multiply and one
@@ -78,6 +82,17 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 __device__ __forceinline__ float exp_ftz(float x) { return exp2_ftz(x * 1.4426950408889634f); }
+
+// Adds 1 to *counter, returning the count before, as one release-acquire atomic at GPU scope: the
+// writes the calling thread's block made before it (ordered by a barrier) are visible to the thread
+// that counts in after it, which sees every earlier arrival's writes. It replaces __threadfence
+// (a sequentially consistent fence) and an atomicAdd: two round trips to L2, one after the other,
+// on the path of the last block to arrive.
+__device__ __forceinline__ unsigned arrive(unsigned* counter) {
+  unsigned before;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+  return before;
+}
 
 // n / d for n < 2^31 by a multiply-high and a shift (d >= 1, d < 2^31; the round-up method of
 // Granlund and Montgomery): the 32-bit division it replaces is a ~20-instruction routine.
@@ -146,15 +161,10 @@ __device__ __forceinline__ float block_max(float v) {
   return warp_max(v);
 }
 
-// Philox4x32-7: four 32-bit random words for counter `c` under key `k`. Seven rounds, the fewest
-// for which Salmon et al. found Philox4x32 to pass all of TestU01's BigCrush (they add three
-// rounds of safety margin to their default, 10): each round is two 32 x 32 -> 64-bit multiplies,
-// and those multiplies are a dropout kernel's costliest instructions (bias_act_dropout's forward:
-// 34.5 us without dropout, 50.2 us with dropout 0.1 at 10 rounds; run 44).
-constexpr int kPhiloxRounds = 7;
+// Philox4x32-10: four 32-bit random words for counter `c` under key `k`.
 __device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
 #pragma unroll
-  for (int r = 0; r < kPhiloxRounds; ++r) {
+  for (int r = 0; r < 10; ++r) {
     const unsigned hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
     const unsigned hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
     c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
@@ -204,7 +214,7 @@ __device__ __forceinline__ __half round_stochastic<__half>(float x, unsigned r) 
 // Philox call gives 128 bits, 16 per element: element i is kept when its 16-bit
 // uniform u satisfies u >= p * 65536 (rounded up), i.e. with probability
 // 1 - ceil(65536 p) / 65536, within 2^-16 of 1 - p. Philox is the costly part of a
-// dropout kernel (its rounds' 32 x 32 -> 64-bit multiplies): 16 bits an element
+// dropout kernel (10 rounds of two 32-bit multiply-highs): 16 bits an element
 // halve it against 32.
 __device__ __forceinline__ void keep8(const RngState& rng, uint64_t g, float p, bool (&keep)[8]) {
   const uint4 r = random4(rng, g);

@@ -5,21 +5,24 @@
 // pointer allow, else V = 1), a block's y index the rows: no division or modulo by
 // cols anywhere. The keep-mask comes from Philox (keep_run, a function of the element
 // index r * cols + c only, so any launch shape draws the same mask, and a backward kernel
-// draws it again from the same RngState): it is never stored. F provides
-//   template <int N> void values(int64_t r, int c, float (&v)[N]) const;  // N elements from (r, c)
-//   template <int N> void finish(int64_t r, int c, float (&v)[N]) const;  // in place
+// draws it again from the same RngState): it is never stored. The thread issues its loads
+// (F.fetch), draws the keep-bits while they are in flight, then computes. F provides
+//   template <int N> struct In;                                            // what fetch loaded
+//   template <int N> In<N> fetch(int64_t r, int c) const;                  // N elements from (r, c)
+//   template <int N> void values(const In<N>& in, float (&v)[N]) const;
+//   template <int N> void finish(const In<N>& in, float (&v)[N]) const;    // in place
 #pragma once
 
 #include "common.cuh"
 
 namespace ls {
 
-// x + bias for N adjacent elements.
+// x + bias for N adjacent elements, from their packs.
 template <typename T, int N>
-__device__ __forceinline__ void load_biased(const T* x, const T* bias, float (&v)[N]) {
+__device__ __forceinline__ void add_unpacked(const Pack<T, N>& x, const Pack<T, N>& bias, float (&v)[N]) {
   float bv[N];
-  load<T, N>(x, v);
-  load<T, N>(bias, bv);
+  unpack(x, v);
+  unpack(bias, bv);
 #pragma unroll
   for (int i = 0; i < N; ++i) v[i] += bv[i];
 }
@@ -31,18 +34,19 @@ __global__ void dropout_map_kernel(F f, T* __restrict__ out, int64_t rows, int c
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const int64_t e = r * cols + c;
+    const auto in = f.template fetch<V>(r, c);
     float v[V];
     bool keep[V];
-    f.template values<V>(r, c, v);
     if (p > 0.f) {
       keep_run<V>(rng, e, p, keep);
     } else {
 #pragma unroll
       for (int i = 0; i < V; ++i) keep[i] = true;
     }
+    f.template values<V>(in, v);
 #pragma unroll
     for (int i = 0; i < V; ++i) v[i] = keep[i] ? v[i] * scale : 0.f;
-    f.template finish<V>(r, c, v);
+    f.template finish<V>(in, v);
     store<T, V>(out + e, v);
   }
 }

@@ -37,21 +37,30 @@ struct EmbForward {
   int dim, padding_idx;
   float scale;
   template <int N>
-  __device__ void values(int64_t i, int c, float (&v)[N]) const {
+  struct In {
+    bool padding;
+    Pack<T, N> w, pw;
+  };
+  template <int N>
+  __device__ In<N> fetch(int64_t i, int c) const {
     const int64_t tok = tokens[i], pos = positions[i];
-    if (tok == padding_idx) {
-#pragma unroll
-      for (int k = 0; k < N; ++k) v[k] = 0.f;
-      return;
+    In<N> in{tok == padding_idx, {}, {}};
+    if (!in.padding) {
+      in.w = load_pack<T, N>(weight + tok * dim + c);
+      in.pw = load_pack<T, N>(pos_weight + pos * dim + c);
     }
-    float w[N], pw[N];
-    load<T, N>(weight + tok * dim + c, w);
-    load<T, N>(pos_weight + pos * dim + c, pw);
-#pragma unroll
-    for (int k = 0; k < N; ++k) v[k] = w[k] * scale + pw[k];
+    return in;
   }
   template <int N>
-  __device__ void finish(int64_t, int, float (&)[N]) const {}
+  __device__ void values(const In<N>& in, float (&v)[N]) const {
+    float w[N], pw[N];
+    unpack(in.w, w);
+    unpack(in.pw, pw);
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = in.padding ? 0.f : w[k] * scale + pw[k];
+  }
+  template <int N>
+  __device__ void finish(const In<N>&, float (&)[N]) const {}
 };
 
 // A chunk's rows are summed one after another by one warp: ~300 instructions a row (a Philox

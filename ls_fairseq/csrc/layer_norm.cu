@@ -65,14 +65,16 @@ struct BdrRows {
   template <int V>
   __device__ void values(int64_t e, int c, float (&v)[V], bool (&keep)[V]) const {
     float rv[V];
-    load_biased<T, V>(h + e, bias + c, v);
-    ls::load<T, V>(residual + e, rv);
+    const Pack<T, V> hp = load_pack<T, V>(h + e), bp = load_pack<T, V>(bias + c);  // in flight during the draw
+    const Pack<T, V> rp = load_pack<T, V>(residual + e);
     if (p > 0.f) {
       keep_run<V>(rng, e, p, keep);
     } else {
 #pragma unroll
       for (int i = 0; i < V; ++i) keep[i] = true;
     }
+    add_unpacked(hp, bp, v);
+    unpack(rp, rv);
     const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
 #pragma unroll
     for (int i = 0; i < V; ++i) v[i] = to_f(from_f<T>((keep[i] ? v[i] * scale : 0.f) + rv[i]));
@@ -207,11 +209,6 @@ struct LnParamMap {
   const float* mean;
   const float* rstd;
   int hidden;
-  template <int N>
-  __device__ void prefetch(int64_t r, int c) const {
-    prefetch_line(dy + r * hidden + c);
-    prefetch_line(x + r * hidden + c);
-  }
   template <int N>
   __device__ void operator()(int64_t r, int c, float (&v)[2][N]) const {
     float xv[N];

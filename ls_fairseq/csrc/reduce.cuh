@@ -12,7 +12,6 @@
 // A thread handles V adjacent columns (16-byte accesses when the caller allows),
 // a block 32 * V columns by 8 rows at a time.
 //   f: template <int N> __device__ void operator()(int64_t row, int col, float (&v)[K][N]) const;
-//   and optionally template <int N> __device__ void prefetch(int64_t row, int col) const;  // prefetch_line of its inputs
 #pragma once
 
 #include "common.cuh"
@@ -20,7 +19,6 @@
 namespace ls {
 
 constexpr int kRowTile = 8;
-constexpr int kPrefetchTiles = 4;
 
 template <int K>
 struct GradOuts {
@@ -40,7 +38,7 @@ __global__ void column_sum_finish_kernel(const float* __restrict__ partial, int 
   const float* part = partial + int64_t(blockIdx.y) * chunks * cols;
   float s = 0.f;
   if (col < cols) {
-#pragma unroll 4
+#pragma unroll 8  // 256 chunks (8,192 rows): all of a thread's loads in flight at once
     for (int c = threadIdx.y; c < chunks; c += kFinishLanes) s += part[int64_t(c) * cols + col];
   }
   lane_s[threadIdx.y][threadIdx.x] = s;
@@ -66,20 +64,16 @@ static __device__ unsigned column_counters[kColumnCounters];
 
 __host__ __device__ inline int chunk_groups(int chunks) { return (chunks + kGroupChunks - 1) / kGroupChunks; }
 
-// Whether this block is the last of `count` to arrive at *counter (then it resets it); all
-// of the block's earlier global writes are visible to the last one: the barrier orders the
-// block's writes before thread 0's fence, which is cumulative (the pattern of a cooperative
-// grid sync), so one thread fences, not every thread.
+// Whether this block is the last of `count` to arrive at *counter (then it resets it); all of the
+// block's earlier global writes are visible to the last one: the barrier orders the block's writes
+// before thread 0's release (cumulative, the pattern of a cooperative grid sync), and the last
+// block's acquire and barrier order them before its reads.
 __device__ __forceinline__ bool last_to_arrive(unsigned* counter, unsigned count) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0 && threadIdx.y == 0) {
-    __threadfence();
-    last = atomicAdd(counter, 1u) == count - 1;
-    if (last) {
-      *counter = 0;
-      __threadfence();
-    }
+    last = arrive(counter) == count - 1;
+    if (last) *counter = 0;  // for the next launch on the stream, which starts after this one ends
   }
   __syncthreads();
   return last;
@@ -127,17 +121,8 @@ __global__ void map_column_sum_kernel(F f, float* __restrict__ partial, int64_t 
   const int64_t r0 = chunk * chunk_rows;
   const int64_t r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
   float acc[K][V] = {};
-  // a functor with a prefetch (its inputs at (row, col)) has its rows asked of L2 kPrefetchTiles row
-  // tiles ahead: each thread walks its rows one after another, and a row's loads would otherwise
-  // wait out the DRAM latency in turn
-  constexpr bool kPrefetch = requires { f.template prefetch<V>(int64_t(0), 0); };
-  if (col0 < cols) {
-    if constexpr (kPrefetch)
-      for (int j = 1; j < kPrefetchTiles; ++j)
-        if (r0 + threadIdx.y + j * kRowTile < r1) f.template prefetch<V>(r0 + threadIdx.y + j * kRowTile, col0);
+  if (col0 < cols)
     for (int64_t r = r0 + threadIdx.y; r < r1; r += kRowTile) {
-      if constexpr (kPrefetch)
-        if (r + kPrefetchTiles * kRowTile < r1) f.template prefetch<V>(r + kPrefetchTiles * kRowTile, col0);
       float v[K][V];
       f.template operator()<V>(r, col0, v);
 #pragma unroll
@@ -145,7 +130,6 @@ __global__ void map_column_sum_kernel(F f, float* __restrict__ partial, int64_t 
 #pragma unroll
         for (int i = 0; i < V; ++i) acc[k][i] += v[k][i];
     }
-  }
 #pragma unroll
   for (int k = 0; k < K; ++k)
 #pragma unroll
