@@ -299,18 +299,22 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
     }
     const float mu = next_mu, rs = next_rs;
     if (r + kStripRows < r1) fetch(r + kStripRows);
-    float d[W][V], xh[W][V], sg = 0.f, sgx = 0.f;
+    // g = dy * gamma and xhat held for dx; dy's column sums taken here, so neither dy nor gamma is
+    // needed (nor gamma loaded and converted again) after the row's reduction
+    float g[W][V], xh[W][V], sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int it = 0; it < W; ++it) {
       float gm[V];
       load<T, V>(g0 + (it * 32 + lane) * V, gm);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
-        d[it][i] = to_f(cur_dy[it].v[i]);
+        const float d = to_f(cur_dy[it].v[i]);
         xh[it][i] = (to_f(cur_x[it].v[i]) - mu) * rs;
-        const float g = d[it][i] * gm[i];
-        sg += g;
-        sgx += g * xh[it][i];
+        g[it][i] = d * gm[i];
+        sg += g[it][i];
+        sgx += g[it][i] * xh[it][i];
+        acc[it][0][i] += d * xh[it][i];
+        acc[it][1][i] += d;
       }
     }
     sg = warp_sum(sg);
@@ -332,14 +336,9 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
 #pragma unroll
     for (int it = 0; it < W; ++it) {
       const int c = (it * 32 + lane) * V;
-      float gm[V], o[V];
-      load<T, V>(g0 + c, gm);
+      float o[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        o[i] = rs * (d[it][i] * gm[i] - mg - xh[it][i] * mgx);
-        acc[it][0][i] += d[it][i] * xh[it][i];
-        acc[it][1][i] += d[it][i];
-      }
+      for (int i = 0; i < V; ++i) o[i] = rs * (g[it][i] - mg - xh[it][i] * mgx);
       const int64_t e = r * hidden + half * C + c;
       store<T, V>(dx + e, o);
       if constexpr (BDR) {
