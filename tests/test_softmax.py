@@ -94,3 +94,20 @@ def test_kernel_matches_reference(dtype, B, H, Tq, Tk, causal, p):
     ds_l = softmax_backward_reference(dout, probs_l, mask, p)
     for o, ref, low, name in ((out, out64, out_l, "out"), (probs, probs64, probs_l, "probs"), (ds, ds64, ds_l, "dscores")):
         check_kernel(o, ref, low, name)
+
+
+@pytest.mark.gpu
+def test_kernel_masks_where_a_mask_of_any_dtype_is_nonzero():
+    """A key-padding mask of another dtype masks where it is nonzero, as the reference's .bool() does:
+    uint8 2 and 255 (the kernel gathers one bit a byte), int64 256 (a cast to bytes would make it 0)."""
+    B, H, T = 3, 2, 32
+    scores = torch.randn(B, H, T, T, device="cuda").half()
+    ext = kernel("softmax", scores)
+    pad = torch.zeros(B, T, dtype=torch.bool, device="cuda")
+    pad[0, -3:] = True
+    pad[2, 5] = True
+    expected = ext.softmax_forward(scores, pad, False, 0.0, None)[1]
+    assert (expected[0, :, :, -3:] == 0).all() and (expected[2, :, :, 5] == 0).all() and (expected[1] > 0).all()
+    for value in (torch.tensor(2, dtype=torch.uint8), torch.tensor(255, dtype=torch.uint8), torch.tensor(256)):
+        kpm = torch.where(pad, value.cuda(), torch.zeros((), dtype=value.dtype, device="cuda"))
+        assert torch.equal(ext.softmax_forward(scores, kpm, False, 0.0, None)[1], expected), value
