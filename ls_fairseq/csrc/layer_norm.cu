@@ -282,8 +282,8 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
 #pragma unroll
     for (int it = 0; it < W; ++it) {
       const int64_t c = row * hidden + half * C + (it * 32 + lane) * V;
-      next_dy[it] = *reinterpret_cast<const Pack<T, V>*>(dy + c);
-      next_x[it] = *reinterpret_cast<const Pack<T, V>*>(x + c);
+      next_dy[it] = load_pack<T, V>(dy + c);
+      next_x[it] = load_pack<T, V>(x + c);
     }
     next_mu = mean[row];
     next_rs = rstd[row];
