@@ -6,7 +6,8 @@ composition is what stock fairseq's layer runs for the same job in the same
 dtype. Each timing is the GPU kernel time per call, summed from the profiler
 over many calls after warm-up (host launch gaps excluded: they are the
 subject of the training benchmark), rotating among input sets that together
-exceed the 60 MB L2 cache. Achieved
+exceed the 60 MB L2 cache; a backward's time is its own kernels', the forwards
+it differentiates run before the profiled region. Achieved
 bandwidth counts the fewest bytes the op must move (each input read once, each
 output written once; no dropout mask: the kernels draw it again in backward) against the card's measured device-to-device copy
 bandwidth.
