@@ -12,7 +12,7 @@ bandwidth counts the fewest bytes the op must move (each input read once, each
 output written once; no dropout mask: the kernels draw it again in backward) against the card's measured device-to-device copy
 bandwidth.
 
-  python scripts/bench_ops.py [--dtype fp16|bf16] [--json FILE]
+  python scripts/bench_ops.py [--dtype fp16|bf16] [--dropout P] [--json FILE]
 """
 import argparse
 import json
@@ -31,7 +31,6 @@ from ls_fairseq.ops.embedding import sinusoidal
 
 TOKENS, HIDDEN, FFN, HEADS, VOCAB, SENT_LEN = 8192, 1024, 4096, 16, 32000, 32
 L2_BYTES = 60 << 20
-P = 0.1
 
 
 def kernel_ms(fn, sets, iters=20, by_name=None):
@@ -80,7 +79,7 @@ def rand(*shape, dtype):
     return torch.randn(*shape, device="cuda").to(dtype)
 
 
-def benches(dtype):
+def benches(dtype, p):
     s = torch.finfo(dtype).bits // 8
     n = TOKENS * HIDDEN
     rows = []
@@ -100,8 +99,8 @@ def benches(dtype):
                 rand(TOKENS, HIDDEN, dtype=dtype).requires_grad_(), rand(TOKENS, HIDDEN, dtype=dtype)]
 
     rows.append(("bias_dropout_residual", bdr_inputs, n * 3 * s, n * 2 * s,
-                 lambda x, b, r, dy: r + F.dropout(x + b, P),
-                 lambda x, b, r, dy: ops.bias_dropout_residual(x, b, r, P)))
+                 lambda x, b, r, dy: r + F.dropout(x + b, p),
+                 lambda x, b, r, dy: ops.bias_dropout_residual(x, b, r, p)))
 
     # bias_dropout_residual_layer_norm: post-LN's block end
     def bdrln_inputs():
@@ -110,8 +109,8 @@ def benches(dtype):
                 rand(HIDDEN, dtype=dtype).requires_grad_(), rand(TOKENS, HIDDEN, dtype=dtype)]
 
     rows.append(("bias_dropout_residual_layer_norm", bdrln_inputs, n * 4 * s, n * 4 * s,
-                 lambda x, b, r, w, lb, dy: F.layer_norm(r + F.dropout(x + b, P), (HIDDEN,), w, lb, 1e-5),
-                 lambda x, b, r, w, lb, dy: ops.bias_dropout_residual_layer_norm(x, b, r, w, lb, P)))
+                 lambda x, b, r, w, lb, dy: F.layer_norm(r + F.dropout(x + b, p), (HIDDEN,), w, lb, 1e-5),
+                 lambda x, b, r, w, lb, dy: ops.bias_dropout_residual_layer_norm(x, b, r, w, lb, p)))
 
     # bias_act_dropout (relu, FFN width)
     m = TOKENS * FFN
@@ -121,8 +120,8 @@ def benches(dtype):
                 rand(TOKENS, FFN, dtype=dtype)]
 
     rows.append(("bias_act_dropout", bad_inputs, m * 2 * s, m * 3 * s,
-                 lambda x, b, dy: F.dropout(F.relu(x + b), P),
-                 lambda x, b, dy: ops.bias_act_dropout(x, b, "relu", P)))
+                 lambda x, b, dy: F.dropout(F.relu(x + b), p),
+                 lambda x, b, dy: ops.bias_act_dropout(x, b, "relu", p)))
 
     # softmax: [B, heads, T, T] with key padding, attention dropout
     B = TOKENS // SENT_LEN
@@ -135,8 +134,8 @@ def benches(dtype):
                 rand(B, HEADS, SENT_LEN, SENT_LEN, dtype=dtype)]
 
     rows.append(("softmax", sm_inputs, a * 3 * s, a * 3 * s,
-                 lambda x, kpm, dy: F.dropout(torch.softmax(x.masked_fill(kpm[:, None, None, :], float("-inf")).float(), -1).type_as(x), P),
-                 lambda x, kpm, dy: ops.softmax(x, kpm, False, P)))
+                 lambda x, kpm, dy: F.dropout(torch.softmax(x.masked_fill(kpm[:, None, None, :], float("-inf")).float(), -1).type_as(x), p),
+                 lambda x, kpm, dy: ops.softmax(x, kpm, False, p)))
 
     # attention: self-attention of [B, heads, T, d_head] views of token-major storage (split_heads' layout) with
     # key padding and attention dropout; stock: torch's SDPA with the padding as an additive mask (the
@@ -151,11 +150,11 @@ def benches(dtype):
     def attn_stock(q, k, v, kpm, additive, dy):
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  attn_mask=additive, dropout_p=P, scale=1.0)
+                                                  attn_mask=additive, dropout_p=p, scale=1.0)
 
     rows.append(("attention", attn_inputs, 4 * n * s, 7 * n * s, attn_stock,
                  lambda q, k, v, kpm, additive, dy: ops.attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                                  v.transpose(1, 2), ops.AttentionMask(kpm), P)))
+                                                                  v.transpose(1, 2), ops.AttentionMask(kpm), p)))
 
     # qkv: bias add + head split of [B, T, 3d]
     def qkv_inputs():
@@ -188,10 +187,10 @@ def benches(dtype):
 
     # backward writes the whole dense table gradient (zeros where no token), as stock's does
     def emb_stock(t, pos, w, dy):
-        return F.dropout(HIDDEN**0.5 * F.embedding(t, w, padding_idx=1) + table.index_select(0, pos.view(-1)).view(B, SENT_LEN, -1), P)
+        return F.dropout(HIDDEN**0.5 * F.embedding(t, w, padding_idx=1) + table.index_select(0, pos.view(-1)).view(B, SENT_LEN, -1), p)
 
     def emb_ls(t, pos, w, dy):
-        return ops.embedding(t, pos, w, None, HIDDEN**0.5, 1, P)
+        return ops.embedding(t, pos, w, None, HIDDEN**0.5, 1, p)
 
     for name, zipfian in (("embedding", False), ("embedding (Zipf ids)", True)):
         rows.append((name, lambda zipfian=zipfian: emb_inputs(zipfian), n * 2 * s,
@@ -315,22 +314,25 @@ def bench_linear(dtype):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    parser.add_argument("--dropout", type=float, default=0.1,
+                        help="dropout probability of every op that has one (0: no keep-bits drawn, which shows "
+                             "what drawing them costs)")
     parser.add_argument("--json", help="write the raw numbers here")
     args = parser.parse_args()
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     assert dispatch.extension() is not None, "the CUDA extension is not loaded: {}".format(dispatch.extension_error())
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
-    results = [bench_forward_backward(*row, copy_bw=copy_bw) for row in benches(dtype)]
+    results = [bench_forward_backward(*row, copy_bw=copy_bw) for row in benches(dtype, args.dropout)]
     torch.cuda.empty_cache()
     results.append(bench_linear(dtype))
     results.append(bench_adam(dtype, copy_bw))
     results.append(bench_grad_norm(dtype, copy_bw))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(dtype=args.dtype, copy_gbps=copy_bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)
-    print("\n{} on {}, copy bandwidth {:.0f} GB/s (transformer-big sizes, 8192 tokens)".format(
-        args.dtype, torch.cuda.get_device_name(), copy_bw))
+            json.dump(dict(dtype=args.dtype, dropout=args.dropout, copy_gbps=copy_bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)
+    print("\n{} on {}, copy bandwidth {:.0f} GB/s (transformer-big sizes, 8192 tokens, dropout {})".format(
+        args.dtype, torch.cuda.get_device_name(), copy_bw, args.dropout))
     print("GPU kernel time per call (profiler); kernels per call as fwd+bwd, stock / ls")
     print("% copy bw: the op's fewest bytes over its time, against the 1 GiB copy's bandwidth (in parentheses: "
           "against a copy of the same number of bytes)")
