@@ -75,8 +75,8 @@ def test_too_long_for_learned_positions_is_an_error():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("learned", [False, True])
-# tokens: up to 12,288 one block sorts the ids (8 a thread up to 8,192, else 12: 9,216; 12,288 the most), more go
-# to cub's device-wide sort (12,800)
+# tokens: up to 12,288 the rank sort orders the ids (slices of 256: 1, 200 and 231 fill part of one; 12,288 the
+# most), more go to cub's device-wide sort (12,800)
 @pytest.mark.parametrize("B,T,D,p", [(1, 1, 512, 0.0), (5, 40, 200, 0.1), (7, 33, 1030, 0.1), (64, 128, 1024, 0.1),
                                      (72, 128, 64, 0.1), (96, 128, 64, 0.1), (100, 128, 64, 0.1)])
 def test_kernel_matches_reference(dtype, learned, B, T, D, p):

@@ -150,10 +150,8 @@ std::pair<Tensor, ls::GradOut> grad_out(const std::optional<Tensor>& into, const
 }
 
 // fp32 partial sums of the fused column reductions (reduce.cuh) over `rows` rows: k sums of
-// `cols` columns in all; `widest` is the most columns one reduction takes.
-Tensor column_sum_partial(int64_t k, int64_t rows, int64_t cols, int64_t widest, const Tensor& like, const char* op) {
-  TORCH_CHECK(widest <= ls::kMaxColumnSumCols, op, ": a bias or LayerNorm gradient of ", widest,
-              " columns; the fused column reduction takes at most ", ls::kMaxColumnSumCols);
+// `cols` columns in all.
+Tensor column_sum_partial(int64_t k, int64_t rows, int64_t cols, const Tensor& like) {
   return torch::empty({k * ls::column_chunks(rows) * cols}, like.options().dtype(at::kFloat));
 }
 
@@ -210,7 +208,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward(const Tensor& dy, const T
   auto dx = torch::empty_like(x);
   auto [dweight, dweight_out] = grad_out(dweight_into, x, {hidden}, "dweight_into");
   auto [dbias, dbias_out] = grad_out(dbias_into, x, {hidden}, "dbias_into");
-  auto partial = column_sum_partial(2, rows, hidden, hidden, x, "layer_norm");
+  auto partial = column_sum_partial(2, rows, hidden, x);
   ls::layer_norm_backward(dtype_of(x, "x"), dy.data_ptr(), x.data_ptr(), weight.data_ptr(), mean.data_ptr<float>(),
                           rstd.data_ptr<float>(), dx.data_ptr(), dweight_out, dbias_out, partial.data_ptr<float>(),
                           rows, hidden, stream());
@@ -249,7 +247,7 @@ std::tuple<Tensor, Tensor> bias_dropout_residual_backward(const Tensor& dout, co
   const int64_t rows = dout.numel() / hidden;
   auto dx = torch::empty_like(dout);
   auto [dbias, dbias_out] = grad_out(dbias_into, dout, {hidden}, "dbias_into");
-  auto partial = column_sum_partial(1, rows, hidden, hidden, dout, "bias_dropout_residual");
+  auto partial = column_sum_partial(1, rows, hidden, dout);
   ls::bias_dropout_residual_backward(dtype_of(dout, "dout"), dout.data_ptr(), rng, dx.data_ptr(), dbias_out,
                                      partial.data_ptr<float>(), rows, hidden, float(p), stream());
   CHECK_CUDA_OK();
@@ -301,7 +299,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> bias_dropout_residual_layer_n
   auto [dweight, dweight_out] = grad_out(dweight_into, x, {hidden}, "dweight_into");
   auto [dln_bias, dln_bias_out] = grad_out(dln_bias_into, x, {hidden}, "dln_bias_into");
   auto [dbias, dbias_out] = grad_out(dbias_into, x, {hidden}, "dbias_into");
-  auto partial = column_sum_partial(3, rows, hidden, hidden, x, "bias_dropout_residual_layer_norm");
+  auto partial = column_sum_partial(3, rows, hidden, x);
   ls::bias_dropout_residual_layer_norm_backward(dtype_of(x, "x"), dy.data_ptr(), x.data_ptr(), weight.data_ptr(),
                                                 mean.data_ptr<float>(), rstd.data_ptr<float>(), rng,
                                                 float(p), dx.data_ptr(), dh.data_ptr(), dweight_out, dln_bias_out,
@@ -355,7 +353,7 @@ std::tuple<Tensor, Tensor> bias_act_dropout_backward(const Tensor& dout, const T
   const int64_t rows = x.numel() / hidden;
   auto dx = torch::empty_like(x);
   auto [dbias, dbias_out] = grad_out(dbias_into, x, {hidden}, "dbias_into");
-  auto partial = column_sum_partial(1, rows, hidden, hidden, x, "bias_act_dropout");
+  auto partial = column_sum_partial(1, rows, hidden, x);
   ls::bias_act_dropout_backward(dtype_of(x, "x"), dout.data_ptr(), x.data_ptr(), bias ? bias->data_ptr() : nullptr,
                                 rng, dx.data_ptr(), dbias_out, partial.data_ptr<float>(), rows, hidden, act,
                                 float(p), stream());
@@ -535,9 +533,7 @@ std::tuple<Tensor, Tensor> qkv_backward(const std::vector<std::optional<Tensor>>
   const c10::cuda::CUDAGuard guard(like->device());
   auto dx = torch::empty({B, T, P * H * D}, like->options());
   auto [dbias, dbias_out] = grad_out(dbias_into, *like, {P * H * D}, "dbias_into");
-  // a launch reduces the columns of up to kQkvMaxParts parts
-  auto partial = column_sum_partial(1, B * T, P * H * D, std::min<int64_t>(P, ls::kQkvMaxParts) * H * D, *like,
-                                    "qkv");
+  auto partial = column_sum_partial(1, B * T, P * H * D, *like);
   ls::qkv_backward(dtype_of(*like, "dy"), parts.data(), strides.data(), dx.data_ptr(), dbias_out,
                    partial.data_ptr<float>(), int(B), int(T), int(P), int(H), int(D), float(first_scale), stream());
   CHECK_CUDA_OK();

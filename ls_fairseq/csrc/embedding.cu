@@ -6,10 +6,10 @@
 // LightSeq2's fused embedding layer, whose backward added half-precision atomics.
 // Backward: dtable[t] = sum over tokens i with token_i = t != pad of
 // scale * dout[i] * keep / (1 - p), accumulated in fp32 without atomics, so the
-// result is deterministic: the ids are sorted beforehand (a stable radix sort of
-// 32-bit keys over only the bits the table needs, 15 for a 32k vocabulary: up to
-// 12,288 ids in one block's shared memory, one launch; more with cub's device-wide
-// sort), which lines up each id's tokens as a run of sorted positions. The
+// result is deterministic: the ids are sorted beforehand (up to 12,288 ids by rank: slices
+// of the id-and-position keys ordered in one launch, each key placed by binary searches in
+// them in a second; more with cub's device-wide radix sort), which lines up each id's tokens
+// as a run of sorted positions. The
 // sorted positions are cut into chunks of kChunkRows; one warp walks a chunk's
 // rows in order over a slice of the columns (kRowsInFlight rows' loads in flight),
 // so a frequent token's long run (hundreds of tokens of "," or "the" in a real
@@ -17,10 +17,9 @@
 // chunk is written to the table at once; a run across chunks leaves its pieces'
 // fp32 sums in the chunks' head/tail slots, and a second kernel adds them in chunk
 // order. Accumulating into a gradient (ls_adam's workspace), the rows of ids absent
-// from the batch keep what they held; into a new tensor, a third kernel writes
-// zeros to those rows alone (no zero-fill of the whole table first).
+// from the batch keep what they held; into a new tensor, the second kernel's other
+// blocks write zeros to those rows alone (no zero-fill of the whole table first).
 // Never written to memory: the dropout mask, fp32 copies of dout or of the table.
-#include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_radix_sort.cuh>
 
 #include "common.cuh"
@@ -37,7 +36,8 @@ struct EmbForward {
   int dim, padding_idx;
   float scale;
   // the row's values, converted in fetch: the table row's address waits on the id's load, and
-  // drawing the keep-bits before converting made the forward slower (run 46: 0.013 -> 0.016 ms)
+  // drawing the keep-bits before converting made the forward slower (run 46: 0.013 -> 0.016 ms),
+  // and so did four rows a thread, their ids' loads in flight together (17th session: 0.015)
   template <int N>
   struct In {
     float v[N];
@@ -74,7 +74,10 @@ struct EmbForward {
 constexpr int kChunkRows = 8;     // sorted positions per chunk: one a lane of the warp that sums them
 constexpr int kChunkWarps = 4;    // chunks a block (one column slice)
 constexpr int kRowsInFlight = 2;  // rows of a chunk a lane loads before it adds any
-constexpr int kJoinChunks = 8;    // head slots the join kernel reads at once
+constexpr int kJoinChunks = 4;    // head slots a join's lane reads at once
+constexpr int kJoinLanes = 2;     // a join's lanes, each walking every other continued chunk
+constexpr int kFinishThreads = 256;  // the finish kernel's blocks: a join's columns, or 8 zeroed rows
+constexpr int kJoinBlocks = 256;     // the finish kernel's blocks that join (each every 256th crossing run)
 constexpr int kChunkBlocksPerSM = 8;  // 32 warps an SM: at most 64 registers (84 unbounded at 4 rows in flight)
 static_assert(kChunkRows <= 32 && kChunkRows % kRowsInFlight == 0, "a chunk's positions are lanes of one warp");
 
@@ -95,17 +98,18 @@ __device__ __forceinline__ void write_row(T* dtable, bool accumulate, int id, in
 // table row it adds to) issued before the first add, the Philox keep-bits drawn meanwhile. A run
 // that ends inside the chunk and began in it is written to the table; the chunk's first run, when
 // the previous chunk holds its start, goes to the chunk's head slot; its last run, when the next
-// chunk continues it, to its tail slot (pieces[(2 chunk + slot) dim], fp32; the join kernel adds
-// them). A chunk is the same kChunkRows positions whatever the ids, so a frequent token's long run is
-// summed by many warps side by side, and a batch of rare ids costs the same as one of frequent ids.
-// Without `accumulate`, each id with a run sets its bit in `present` (the rows the zero kernel
-// then leaves alone).
+// chunk continues it, to its tail slot (pieces[(2 chunk + slot) dim], fp32; the finish kernel adds
+// them; the chunk goes on the list of `starts`, counted in by the word before `present`). A chunk is
+// the same kChunkRows positions whatever the ids, so a frequent token's long run is summed by many
+// warps side by side, and a batch of rare ids costs the same as one of frequent ids. Without
+// `accumulate`, each id with a run sets its bit in `present` (the rows the finish kernel's zeros
+// then leave alone).
 template <typename T, int V>
 __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
     embedding_backward_chunk_kernel(const T* __restrict__ dout, Redraw keeps, const int* __restrict__ sorted_ids,
                                     const int* __restrict__ order, T* __restrict__ dtable, bool accumulate,
-                                    float* __restrict__ pieces, unsigned* __restrict__ present, int64_t n, int dim,
-                                    float scale, int padding_idx, float p) {
+                                    float* __restrict__ pieces, unsigned* __restrict__ present, int* __restrict__ starts,
+                                    int64_t n, int dim, float scale, int padding_idx, float p) {
   constexpr unsigned kAll = 0xffffffffu;
   const int lane = threadIdx.x & 31;
   const int64_t chunk = int64_t(blockIdx.x) * kChunkWarps + (threadIdx.x >> 5), begin = chunk * kChunkRows;
@@ -123,6 +127,7 @@ __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
   const unsigned ends_mask = __ballot_sync(kAll, ends), head_mask = __ballot_sync(kAll, head),
                  tail_mask = __ballot_sync(kAll, tail);
   if (!accumulate && ends) atomicOr(present + (id >> 5), 1u << (id & 31));
+  if (tail && blockIdx.y == 0) starts[atomicAdd(present - 1, 1u)] = int(chunk);
   const int c = (blockIdx.y * 32 + lane) * V;
   const bool cols = c < dim;
   const float drop = p > 0.f ? 1.f / (1.f - p) : 1.f;
@@ -173,103 +178,208 @@ __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
   }
 }
 
-// Without `accumulate`: zeros in the table rows of ids absent from the batch (no bit in
-// `present`), and in the padding row, so that the chunk kernel's rows and these make the whole
+// Joins the run that crosses from chunk c into chunk c + 1 and began in chunk c: chunk c's tail
+// slot, then the head slots of the chunks it continues into (those whose first id is the run's:
+// sorted ids, so a prefix of them). The block's threads form kJoinLanes lanes; a lane's threads
+// take the columns, lane l the chunks c + 1 + l, c + 1 + l + kJoinLanes, ..., kJoinChunks tested
+// and loaded at once (a frequent id's run crosses ~100 chunks: this walk is the join's critical
+// path), and lane 0 adds the tail slot and the lanes' sums in lane order: a fixed order.
+template <typename T, int V>
+__device__ void join_run(const int* __restrict__ sorted_ids, const float* __restrict__ pieces, T* __restrict__ dtable,
+                         bool accumulate, int64_t c, int64_t n, int dim, float scale) {
+  constexpr int kLaneThreads = kFinishThreads / kJoinLanes;
+  __shared__ float lane_s[kJoinLanes - 1][kLaneThreads][V];
+  const int lane = threadIdx.x / kLaneThreads, t = threadIdx.x % kLaneThreads;
+  const int id = sorted_ids[(c + 1) * kChunkRows - 1];
+  for (int col0 = 0; col0 < dim; col0 += kLaneThreads * V) {  // the same trips for every thread
+    const int col = col0 + t * V;
+    float acc[V] = {};
+    if (col < dim)
+      for (int64_t c2 = c + 1 + lane;; c2 += kJoinLanes * kJoinChunks) {
+        bool in[kJoinChunks];
+        float v[kJoinChunks][V];
+#pragma unroll
+        for (int j = 0; j < kJoinChunks; ++j) {
+          const int64_t cj = c2 + j * kJoinLanes;
+          in[j] = cj * kChunkRows < n && sorted_ids[cj * kChunkRows] == id;
+#pragma unroll
+          for (int i = 0; i < V; ++i) v[j][i] = in[j] ? pieces[2 * cj * dim + col + i] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < kJoinChunks; ++j)
+#pragma unroll
+          for (int i = 0; i < V; ++i) acc[i] += v[j][i];
+        if (!in[kJoinChunks - 1]) break;
+      }
+    if (lane > 0 && col < dim)
+#pragma unroll
+      for (int i = 0; i < V; ++i) lane_s[lane - 1][t][i] = acc[i];
+    __syncthreads();
+    if (lane == 0 && col < dim) {
+      float sum[V], old[V] = {};
+      if (accumulate) load<T, V>(dtable + int64_t(id) * dim + col, old);
+#pragma unroll
+      for (int i = 0; i < V; ++i) sum[i] = pieces[(2 * c + 1) * dim + col + i] + acc[i];
+#pragma unroll
+      for (int l = 1; l < kJoinLanes; ++l)
+#pragma unroll
+        for (int i = 0; i < V; ++i) sum[i] += lane_s[l - 1][t][i];
+      write_row<T, V>(dtable, accumulate, id, dim, col, scale, sum, old);
+    }
+    __syncthreads();  // lane_s is read before the next columns' (or the next join's) sums go in
+  }
+}
+
+// Without `accumulate`: zeros in table row r when its id is absent from the batch (no bit in
+// `present`) or is the padding row, so that the chunk kernel's rows and these make the whole
 // table (no zero-fill first: the present rows would be written twice). A warp a row.
 template <typename T, int V>
-__global__ void embedding_zero_absent_kernel(const unsigned* __restrict__ present, T* __restrict__ dtable,
-                                             int64_t rows, int dim, int padding_idx) {
-  const int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (r >= rows || (r != padding_idx && (present[r >> 5] >> (r & 31) & 1u))) return;
+__device__ void zero_absent_row(const unsigned* __restrict__ present, T* __restrict__ dtable, int64_t r, int dim,
+                                int padding_idx) {
+  if (r != padding_idx && (present[r >> 5] >> (r & 31) & 1u)) return;
   const float zeros[V] = {};
   for (int c = (threadIdx.x & 31) * V; c < dim; c += 32 * V) store<T, V>(dtable + r * dim + c, zeros);
 }
 
-// Block c joins the run that crosses from chunk c into chunk c + 1, when it starts in
-// chunk c: chunk c's tail slot, then the head slots of the chunks it continues into.
+// The joins and the zeros in one launch: the first join_blocks blocks take the chunks that start a
+// crossing run (the chunk kernel's list, in any order: each join is its own sum), the others zero
+// the absent rows, a warp a row (rows apart from the joins': those are present). One launch's ramp
+// and tail, not two, and a long join (a frequent id's run over many chunks) runs beside the zeros
+// (Zipf ids, run 47: join 15.4 us, then zeros 14.2 us, in two launches). A block a chunk, each
+// testing its chunk's ids, made the zeros wait (17th session: 3 us), and 32 chunks a block
+// serialised the joins (Zipf 41 us).
 template <typename T, int V>
-__global__ void embedding_backward_join_kernel(const int* __restrict__ sorted_ids, const float* __restrict__ pieces,
-                                               T* __restrict__ dtable, bool accumulate, int64_t n, int dim,
-                                               float scale, int padding_idx) {
-  const int64_t c = blockIdx.x, last = (c + 1) * kChunkRows - 1;
-  if (last + 1 >= n) return;
-  const int id = sorted_ids[last];
-  if (id == padding_idx || sorted_ids[last + 1] != id) return;  // no run crosses into chunk c + 1
-  if (c > 0 && sorted_ids[c * kChunkRows - 1] == id) return;   // started earlier: joined by that chunk's block
-  for (int col = (blockIdx.y * blockDim.x + threadIdx.x) * V; col < dim; col += gridDim.y * blockDim.x * V) {
-    float acc[V], old[V] = {};
-    if (accumulate) load<T, V>(dtable + int64_t(id) * dim + col, old);
-#pragma unroll
-    for (int i = 0; i < V; ++i) acc[i] = pieces[(2 * c + 1) * dim + col + i];
-    // the chunks after c that the run continues into: those whose first id is the run's (sorted ids,
-    // so a prefix of them), kJoinChunks tested and loaded at once, added in chunk order
-    for (int64_t c2 = c + 1;; c2 += kJoinChunks) {
-      bool in[kJoinChunks];
-      float v[kJoinChunks][V];
-#pragma unroll
-      for (int j = 0; j < kJoinChunks; ++j) {
-        in[j] = (c2 + j) * kChunkRows < n && sorted_ids[(c2 + j) * kChunkRows] == id;
-#pragma unroll
-        for (int i = 0; i < V; ++i) v[j][i] = in[j] ? pieces[2 * (c2 + j) * dim + col + i] : 0.f;
-      }
-#pragma unroll
-      for (int j = 0; j < kJoinChunks; ++j)
-#pragma unroll
-        for (int i = 0; i < V; ++i) acc[i] += v[j][i];
-      if (!in[kJoinChunks - 1]) break;
-    }
-    write_row<T, V>(dtable, accumulate, id, dim, col, scale, acc, old);
+__global__ void __launch_bounds__(kFinishThreads, 4)
+    embedding_backward_finish_kernel(const int* __restrict__ sorted_ids, const float* __restrict__ pieces,
+                                     const unsigned* __restrict__ present, const int* __restrict__ starts,
+                                     T* __restrict__ dtable, bool accumulate, int join_blocks, int64_t n, int64_t rows,
+                                     int dim, float scale, int padding_idx) {
+  if (blockIdx.x < join_blocks) {
+    const unsigned count = present[-1];
+    for (unsigned i = blockIdx.x; i < count; i += join_blocks)
+      join_run<T, V>(sorted_ids, pieces, dtable, accumulate, starts[i], n, dim, scale);
+    return;
   }
+  const int64_t r = ((blockIdx.x - join_blocks) * int64_t(kFinishThreads) + threadIdx.x) / 32;
+  if (r < rows) zero_absent_row<T, V>(present, dtable, r, dim, padding_idx);
 }
 
-// Both sorts also zero the bitmap of the ids present (when the chunk kernel fills it in).
+// Both sorts also zero the count of crossing runs and the bitmap of the ids present after it (when
+// the chunk kernel fills it in).
 __device__ __forceinline__ void zero_words(unsigned* words, int64_t count, int64_t from, int64_t step) {
   for (int64_t w = from; w < count; w += step) words[w] = 0u;
 }
 
 __global__ void sort_input_kernel(const int64_t* __restrict__ ids, int* __restrict__ keys, int* __restrict__ order,
-                                  int64_t n, unsigned* __restrict__ present, int64_t words) {
+                                  int64_t n, unsigned* __restrict__ flags, int64_t words) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  zero_words(present, words, i, int64_t(gridDim.x) * blockDim.x);
+  zero_words(flags, words, i, int64_t(gridDim.x) * blockDim.x);
   if (i < n) {
     keys[i] = int(ids[i]);
     order[i] = int(i);
   }
 }
 
-// Up to kBlockSortKeys ids (12,288: a batch of --max-tokens 8192 with its lengths padded to a
-// multiple of 8 holds up to ~10,000 ids) one block sorts them with their positions in shared
-// memory (cub's block radix sort, 4 bits a pass), in one launch: cub's device-wide sort takes
-// five (a memset, a histogram, a scan, two passes; ~23 us for 8,192 keys on an H200) and
-// sort_input_kernel one more. ITEMS keys a thread, 8 up to 8,192 ids, else 12 (64 registers, the
-// most at 1,024 threads, 48 bytes spilled; 48 KB of shared memory). Keys past n are the largest key
-// the bits hold, after every real id (a stable sort keeps them after an id of that value too).
-constexpr int kBlockSortThreads = 1024, kBlockSortKeys = kBlockSortThreads * 12;
+// Up to kRankSortKeys ids (12,288: a batch of --max-tokens 8192 with its lengths padded to a
+// multiple of 8 holds up to ~10,000 ids) are sorted by rank in two launches. Id i's key is
+// id << pos_bits | i: distinct keys, in (id, position) order, so the sort is stable and its result
+// the same whatever the blocks' timing. slice_sort_kernel orders each slice of kSlice keys, each
+// key placed by the number of smaller keys in its slice (kSlice comparisons, 4 a shared-memory
+// load: the same address across a warp, a broadcast); merge_rank_kernel places each key by the
+// number of smaller keys in all slices, a binary search a slice (kSliceSteps steps). cub's block
+// radix sort, one block in 4 passes of 4 bits, took 15.7 us (run 47), its device-wide sort five
+// launches (~23 us), and one launch comparing every key with every other (67M comparisons for
+// 8,192 ids) 8.5 us (17th session).
+constexpr int kSlice = 256, kSliceSteps = 9, kMergeItems = 32, kMergeGroups = 8, kMergeChains = 4, kRankLoads = 8,
+              kRankSortKeys = 12288;
+static_assert(1 << (kSliceSteps - 1) == kSlice, "the binary search's first step is the whole slice");
 
-template <int ITEMS>
-__global__ void __launch_bounds__(kBlockSortThreads)
-    sort_block_kernel(const int64_t* __restrict__ ids, int* __restrict__ keys_out, int* __restrict__ order_out,
-                      int n, int bits, unsigned* __restrict__ present, int64_t words) {
-  using Sort = cub::BlockRadixSort<int, kBlockSortThreads, ITEMS, int>;
-  __shared__ typename Sort::TempStorage temp;
-  zero_words(present, words, threadIdx.x, kBlockSortThreads);
-  const int last = int((1u << bits) - 1u);
-  int keys[ITEMS], order[ITEMS];
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {  // blocked: thread t holds positions ITEMS t .. ITEMS t + ITEMS - 1
-    const int e = threadIdx.x * ITEMS + i;
-    keys[i] = e < n ? int(ids[e]) : last;
-    order[i] = e;
+// a < b for keys below 2^31, as the sign of a - b: two instructions (a subtract, and a shift-add
+// into the count), against three for a compare, a select and an add
+__device__ __forceinline__ unsigned less(unsigned a, unsigned b) { return (a - b) >> 31; }
+
+__device__ __forceinline__ unsigned sort_key(const int64_t* __restrict__ ids, int i, int pos_bits) {
+  return unsigned(ids[i]) << pos_bits | unsigned(i);
+}
+
+// Block s writes slice s's keys in order to sorted[s kSlice ...] (the slice's own length).
+__global__ void __launch_bounds__(kSlice)
+    slice_sort_kernel(const int64_t* __restrict__ ids, unsigned* __restrict__ sorted, int n, int pos_bits,
+                      unsigned* __restrict__ flags, int64_t words) {
+  __shared__ uint4 slice_s[kSlice / 4];
+  unsigned* const keys = reinterpret_cast<unsigned*>(slice_s);
+  zero_words(flags, words, int64_t(blockIdx.x) * kSlice + threadIdx.x, int64_t(gridDim.x) * kSlice);
+  const int i = blockIdx.x * kSlice + threadIdx.x;
+  const unsigned mine = i < n ? sort_key(ids, i, pos_bits) : 0x7fffffffu;  // padding: above every real key
+  keys[threadIdx.x] = mine;
+  __syncthreads();
+  if (i >= n) return;
+  unsigned rank = 0;
+#pragma unroll 8
+  for (int q = 0; q < kSlice / 4; ++q) {
+    const uint4 k = slice_s[q];
+    rank += less(k.x, mine) + less(k.y, mine) + less(k.z, mine) + less(k.w, mine);
   }
-  Sort(temp).SortBlockedToStriped(keys, order, 0, bits);
+  sorted[blockIdx.x * kSlice + rank] = mine;
+}
+
+// Each block stages the sorted slices (n keys) in shared memory, kRankLoads 16-byte loads a thread
+// in flight at once, and places kMergeItems keys: warp g counts the keys below each in slices g,
+// g + kMergeGroups, ..., kMergeChains slices' binary searches side by side (each step waits on the
+// last; a thread searching every slice took 7.5 us for 8,192 ids), and warp 0 adds the warps' counts
+// in order (the counts in the keys' space, once they are read).
+__global__ void __launch_bounds__(kMergeItems * kMergeGroups)
+    merge_rank_kernel(const int64_t* __restrict__ ids, const unsigned* __restrict__ sorted, int* __restrict__ keys_out,
+                      int* __restrict__ order_out, int n, int pos_bits) {
+  constexpr int kThreads = kMergeItems * kMergeGroups;
+  __shared__ uint4 sorted_s[kRankSortKeys / 4];
+  const int e = threadIdx.x % kMergeItems, g = threadIdx.x / kMergeItems, i = blockIdx.x * kMergeItems + e;
+  const unsigned mine = i < n ? sort_key(ids, i, pos_bits) : 0u;
+  const int vectors = (n + 3) / 4;  // the last one read past n within the 256-byte-aligned buffer
+  for (int q0 = 0; q0 < vectors; q0 += kRankLoads * kThreads) {
+    uint4 v[kRankLoads];
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {  // striped: rank i x 1024 + t, coalesced stores
-    const int e = i * kBlockSortThreads + threadIdx.x;
-    if (e < n) {
-      keys_out[e] = keys[i];
-      order_out[e] = order[i];
+    for (int u = 0; u < kRankLoads; ++u) {
+      const int q = q0 + u * kThreads + threadIdx.x;
+      if (q < vectors) v[u] = reinterpret_cast<const uint4*>(sorted)[q];
+    }
+#pragma unroll
+    for (int u = 0; u < kRankLoads; ++u) {
+      const int q = q0 + u * kThreads + threadIdx.x;
+      if (q < vectors) sorted_s[q] = v[u];
     }
   }
+  __syncthreads();
+  const unsigned* const keys = reinterpret_cast<const unsigned*>(sorted_s);
+  const int slices = (n + kSlice - 1) / kSlice;
+  unsigned count = 0;
+  for (int s0 = g; s0 < slices; s0 += kMergeGroups * kMergeChains) {
+    int len[kMergeChains], below[kMergeChains];  // slice u: its length, and how many keys below mine
+#pragma unroll
+    for (int u = 0; u < kMergeChains; ++u) {
+      const int left = n - (s0 + u * kMergeGroups) * kSlice;
+      len[u] = left < 0 ? 0 : (left < kSlice ? left : kSlice);
+      below[u] = 0;
+    }
+#pragma unroll
+    for (int step = kSlice; step > 0; step >>= 1)
+#pragma unroll
+      for (int u = 0; u < kMergeChains; ++u)
+        if (below[u] + step <= len[u] && keys[(s0 + u * kMergeGroups) * kSlice + below[u] + step - 1] < mine)
+          below[u] += step;
+#pragma unroll
+    for (int u = 0; u < kMergeChains; ++u) count += below[u];
+  }
+  __syncthreads();  // the keys are read: their space takes the warps' counts
+  unsigned* const counts = reinterpret_cast<unsigned*>(sorted_s);
+  counts[g * kMergeItems + e] = count;
+  __syncthreads();
+  if (g != 0 || i >= n) return;
+  unsigned rank = 0;
+#pragma unroll
+  for (int h = 0; h < kMergeGroups; ++h) rank += counts[h * kMergeItems + e];
+  keys_out[rank] = int(mine >> pos_bits);
+  order_out[rank] = i;
 }
 
 int key_bits(int64_t rows) {
@@ -278,9 +388,10 @@ int key_bits(int64_t rows) {
   return bits;
 }
 
-// The backward's buffers inside the caller's workspace: keys and order in and out (n
-// ints each), the chunks' head/tail slots (2 x chunks x dim floats), the bitmap of the ids
-// present (rows bits), each 256-byte aligned, then cub's temporary storage.
+// The backward's buffers inside the caller's workspace: keys and order in and out (n ints
+// each), the chunks that start a crossing run (chunks ints), the chunks' head/tail slots (2 x
+// chunks x dim floats), the flags (the count of those chunks, then the bitmap of the ids
+// present: rows bits), each 256-byte aligned, then cub's temporary storage.
 size_t aligned256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 int64_t chunks_of(int64_t n) { return (n + kChunkRows - 1) / kChunkRows; }
@@ -289,8 +400,9 @@ int64_t bitmap_words(int64_t rows) { return (rows + 31) / 32; }
 
 struct BackwardBuffers {
   int *keys_in, *order_in, *keys_out, *order_out;
+  int* starts;
   float* pieces;
-  unsigned* present;
+  unsigned* flags;
   void* temp;
   size_t temp_bytes;
   BackwardBuffers(void* base, int64_t n, int64_t rows, int dim, size_t temp_bytes_) : temp_bytes(temp_bytes_) {
@@ -300,21 +412,27 @@ struct BackwardBuffers {
     order_in = reinterpret_cast<int*>(b + slot);
     keys_out = reinterpret_cast<int*>(b + 2 * slot);
     order_out = reinterpret_cast<int*>(b + 3 * slot);
-    pieces = reinterpret_cast<float*>(b + 4 * slot);
-    present = reinterpret_cast<unsigned*>(b + 4 * slot + pieces_bytes(n, dim));
+    starts = reinterpret_cast<int*>(b + 4 * slot);
+    pieces = reinterpret_cast<float*>(b + 4 * slot + starts_bytes(n));
+    flags = reinterpret_cast<unsigned*>(b + 4 * slot + starts_bytes(n) + pieces_bytes(n, dim));
     temp = b + bytes(n, rows, dim);
   }
+  static size_t starts_bytes(int64_t n) { return aligned256(size_t(chunks_of(n)) * sizeof(int)); }
   static size_t pieces_bytes(int64_t n, int dim) { return aligned256(2 * size_t(chunks_of(n)) * dim * sizeof(float)); }
   static size_t bytes(int64_t n, int64_t rows, int dim) {
-    return 4 * aligned256(size_t(n) * sizeof(int)) + pieces_bytes(n, dim) +
-           aligned256(size_t(bitmap_words(rows)) * sizeof(unsigned));
+    return 4 * aligned256(size_t(n) * sizeof(int)) + starts_bytes(n) + pieces_bytes(n, dim) +
+           aligned256(size_t(1 + bitmap_words(rows)) * sizeof(unsigned));
   }
 };
 
-// cub's temporary storage for its device-wide sort; none for the block's
+// Whether the rank sort (slice_sort_kernel, merge_rank_kernel) sorts the n ids: at most kRankSortKeys, and their keys (id and position)
+// within 31 bits (less()), the position's field holding n (above every real key: the padding's).
+bool rank_sorts(int64_t n, int64_t rows) { return n <= kRankSortKeys && key_bits(rows) + key_bits(n + 1) <= 31; }
+
+// cub's temporary storage for its device-wide sort; none for the rank sort
 size_t sort_temp_bytes(int64_t n, int64_t rows) {
   size_t bytes = 0;
-  if (n > kBlockSortKeys)
+  if (!rank_sorts(n, rows))
     cub::DeviceRadixSort::SortPairs(nullptr, bytes, (const int*)nullptr, (int*)nullptr, (const int*)nullptr,
                                     (int*)nullptr, n, 0, key_bits(rows));
   return bytes;
@@ -339,17 +457,17 @@ void embedding_backward(DType dt, const void* dout, const RngState* rng, const i
                         cudaStream_t stream) {
   if (n == 0) return;
   BackwardBuffers bb(workspace, n, rows, dim, sort_temp_bytes(n, rows));
-  // the bitmap of present ids, zeroed by the sort, only when the absent rows need zeros
-  unsigned* const present = dtable.accumulate ? nullptr : bb.present;
-  const int64_t words = dtable.accumulate ? 0 : bitmap_words(rows);
-  if (n <= kBlockSortThreads * 8) {
-    sort_block_kernel<8><<<1, kBlockSortThreads, 0, stream>>>(ids, bb.keys_out, bb.order_out, int(n), key_bits(rows),
-                                                              present, words);
-  } else if (n <= kBlockSortKeys) {
-    sort_block_kernel<12><<<1, kBlockSortThreads, 0, stream>>>(ids, bb.keys_out, bb.order_out, int(n), key_bits(rows),
-                                                               present, words);
+  // the flags the sort zeroes: the count of crossing runs, and the bitmap of present ids only when
+  // the absent rows need zeros
+  unsigned* const present = bb.flags + 1;
+  const int64_t words = 1 + (dtable.accumulate ? 0 : bitmap_words(rows));
+  if (rank_sorts(n, rows)) {
+    unsigned* const sorted = reinterpret_cast<unsigned*>(bb.keys_in);
+    slice_sort_kernel<<<ceil_div(n, kSlice), kSlice, 0, stream>>>(ids, sorted, int(n), key_bits(n + 1), bb.flags, words);
+    merge_rank_kernel<<<ceil_div(n, kMergeItems), kMergeItems * kMergeGroups, 0, stream>>>(
+        ids, sorted, bb.keys_out, bb.order_out, int(n), key_bits(n + 1));
   } else {
-    sort_input_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(ids, bb.keys_in, bb.order_in, n, present, words);
+    sort_input_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(ids, bb.keys_in, bb.order_in, n, bb.flags, words);
     cub::DeviceRadixSort::SortPairs(bb.temp, bb.temp_bytes, bb.keys_in, bb.keys_out, bb.order_in, bb.order_out, n,
                                     0, key_bits(rows), stream);
   }
@@ -358,13 +476,12 @@ void embedding_backward(DType dt, const void* dout, const RngState* rng, const i
       const int slices = ceil_div(dim, 32 * V), chunks = int(chunks_of(n));
       embedding_backward_chunk_kernel<T, V><<<dim3(ceil_div(chunks, kChunkWarps), slices), 32 * kChunkWarps, 0, stream>>>(
           (const T*)dout, redraw(rng, p), bb.keys_out, bb.order_out, (T*)dtable.ptr, dtable.accumulate, bb.pieces,
-          present, n, dim, scale, padding_idx, p);
-      const int vectors = dim / V, threads = vectors < 256 ? (vectors + 31) / 32 * 32 : 256;
-      embedding_backward_join_kernel<T, V><<<dim3(chunks, ceil_div(vectors, threads)), threads, 0, stream>>>(
-          bb.keys_out, bb.pieces, (T*)dtable.ptr, dtable.accumulate, n, dim, scale, padding_idx);
-      if (!dtable.accumulate)
-        embedding_zero_absent_kernel<T, V><<<ceil_div(rows * 32, 256), 256, 0, stream>>>(present, (T*)dtable.ptr, rows,
-                                                                                        dim, padding_idx);
+          present, bb.starts, n, dim, scale, padding_idx, p);
+      const int join_blocks = chunks < kJoinBlocks ? chunks : kJoinBlocks;
+      const int zero_blocks = dtable.accumulate ? 0 : ceil_div(rows * 32, kFinishThreads);
+      embedding_backward_finish_kernel<T, V><<<join_blocks + zero_blocks, kFinishThreads, 0, stream>>>(
+          bb.keys_out, bb.pieces, present, bb.starts, (T*)dtable.ptr, dtable.accumulate, join_blocks, n, rows, dim,
+          scale, padding_idx);
     };
     if (dim % kVec<T> == 0 && aligned16(dout) && aligned16(dtable.ptr))
       launch.template operator()<kVec<T>>();

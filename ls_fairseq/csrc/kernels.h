@@ -75,21 +75,14 @@ void bias_act_dropout_backward(DType dt, const void* dout, const void* x, const 
 
 // Row chunks of the two-stage column reductions behind the bias (and gamma/beta)
 // gradients: stage one writes chunks x cols fp32 partial sums, stage two adds them
-// up in a fixed order, so the result is deterministic. About 32 rows a chunk, at
-// most 512 chunks: enough blocks in flight to saturate memory, partials a small
-// fraction of the traffic.
+// up in a fixed order, so the result is deterministic. At most ~32 rows a chunk
+// (LayerNorm's strips; the other maps take 64) and 512 chunks: enough blocks in flight
+// to saturate memory, partials a small fraction of the traffic.
 constexpr int kMaxColumnChunks = 512;
 inline int column_chunks(int64_t rows) {
   const int64_t c = (rows + 31) / 32;
   return int(c < 1 ? 1 : (c > kMaxColumnChunks ? kMaxColumnChunks : c));
 }
-
-// The fused column reduction (reduce.cuh) counts the blocks of each strip of 32 columns in
-// with kColumnCounters counters, one per group of kGroupChunks chunks and one more: that
-// bounds one reduction's width (63,520 columns; bindings.cpp says so when exceeded).
-constexpr int kColumnCounters = 1 << 16;
-constexpr int kGroupChunks = 16;
-constexpr int64_t kMaxColumnSumCols = int64_t(kColumnCounters / (kMaxColumnChunks / kGroupChunks + 1)) * 32;
 
 // layer_norm_backward's partial: 2 x column_chunks(rows) x hidden floats
 

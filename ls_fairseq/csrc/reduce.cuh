@@ -1,16 +1,17 @@
-// Two-stage deterministic column reduction fused with an elementwise map, in one
-// launch: stage one evaluates K values per element of a [rows, cols] matrix with f
-// (which may also store what it computes, e.g. the op's dx), and writes K fp32
-// partial sums per (row chunk, column); stage two adds the chunks up in a fixed
-// order and writes the K column sums in the storage type, or adds them to the
-// gradients there (GradOut::accumulate), rounding once. Stage two runs in the
-// blocks that finish last (counted in with atomics), not in a kernel of its own: a
-// launch less per bias gradient. Used by every bias gradient and by LayerNorm's
-// gamma/beta gradients, so dx is written once and never re-read. The counters are
-// shared by the launches of one module: its launches must not overlap (they run on
-// one stream, as an autograd backward does).
+// Two-stage deterministic column reduction fused with an elementwise map: stage one
+// evaluates K values per element of a [rows, cols] matrix with f (which may also store
+// what it computes, e.g. the op's dx), and writes K fp32 partial sums per (row chunk,
+// column); stage two, a kernel of its own, adds the chunks up in a fixed order and writes
+// the K column sums in the storage type, or adds them to the gradients there
+// (GradOut::accumulate), rounding once. Used by every bias gradient and by LayerNorm's
+// gamma/beta gradients, so dx is written once and never re-read.
+// Stage two ran inside the map kernel, in the blocks that counted themselves in last (a
+// launch less), until a two-kernel version measured faster (bias_dropout_residual backward,
+// 8,192 x 1,024 fp16, 17th session): the tail's count-ins, one after another on the last
+// block's path, cost 2.9 us a launch, the finish kernel 1-1.5 us.
 // A thread handles V adjacent columns (16-byte accesses when the caller allows),
-// a block 32 * V columns by 8 rows at a time.
+// a block 32 * V columns by 8 rows at a time. (Two rows' loads issued before either's draw
+// gained bias_dropout_residual 0.2 us and cost qkv 2 us, bias_act_dropout 8: 17th session.)
 //   f: template <int N> __device__ void operator()(int64_t row, int col, float (&v)[K][N]) const;
 #pragma once
 
@@ -25,11 +26,13 @@ struct GradOuts {
   GradOut g[K];
 };
 
-// Stage two as a kernel of its own, for LayerNorm's strips (a block per strip of rows,
-// all columns): a block of 32 x 32 threads per 32 columns; thread (x, y) adds chunks
-// y, y + 32, ... of column x (independent loads, all in flight at once), then row
-// y = 0 adds the 32 lane sums in order: a fixed order, so deterministic.
-constexpr int kFinishLanes = 32;
+// Stage two, for map_column_sum below and LayerNorm's strips (a block per strip of rows, all
+// columns): a block of 32 x kFinishLanes threads per 32 columns; thread (x, y) adds chunks
+// y, y + kFinishLanes, ... of column x (16 at a time: all of a thread's loads in flight at 128
+// and 256 chunks), then row y = 0 adds the lane sums in order: a fixed order, so deterministic.
+// (17th session, bias_dropout_residual backward's finish at 128 chunks: 32 lanes 2.1 us, 16
+// lanes 2.4-2.8 us, 8 lanes 1.4 us.)
+constexpr int kFinishLanes = 8;
 
 template <typename T, int K>
 __global__ void column_sum_finish_kernel(const float* __restrict__ partial, int chunks, int cols, GradOuts<K> out) {
@@ -38,7 +41,7 @@ __global__ void column_sum_finish_kernel(const float* __restrict__ partial, int 
   const float* part = partial + int64_t(blockIdx.y) * chunks * cols;
   float s = 0.f;
   if (col < cols) {
-#pragma unroll 8  // 256 chunks (8,192 rows): all of a thread's loads in flight at once
+#pragma unroll 16
     for (int c = threadIdx.y; c < chunks; c += kFinishLanes) s += part[int64_t(c) * cols + col];
   }
   lane_s[threadIdx.y][threadIdx.x] = s;
@@ -53,68 +56,10 @@ __global__ void column_sum_finish_kernel(const float* __restrict__ partial, int 
   o[col] = from_f<T>(s);
 }
 
-// Stage two inside the map kernel, without a launch of its own: the blocks of a column strip
-// count themselves in (one counter per group of kGroupChunks chunks, one for the groups);
-// the last block of a group adds that group's partial sums in chunk order into the group's
-// first chunk's slot, and the last group to finish adds the groups' sums in group order and
-// writes the column sums: a fixed order whatever the blocks' timing, so deterministic. Each
-// finishing block resets its counter, so the counters (module globals, zero at load) are zero
-// again for the next launch on the stream.
-static __device__ unsigned column_counters[kColumnCounters];
-
-__host__ __device__ inline int chunk_groups(int chunks) { return (chunks + kGroupChunks - 1) / kGroupChunks; }
-
-// Whether this block is the last of `count` to arrive at *counter (then it resets it); all of the
-// block's earlier global writes are visible to the last one: the barrier orders the block's writes
-// before thread 0's release (cumulative, the pattern of a cooperative grid sync), and the last
-// block's acquire and barrier order them before its reads.
-__device__ __forceinline__ bool last_to_arrive(unsigned* counter, unsigned count) {
-  __shared__ bool last;
-  __syncthreads();
-  if (threadIdx.x == 0 && threadIdx.y == 0) {
-    last = arrive(counter) == count - 1;
-    if (last) *counter = 0;  // for the next launch on the stream, which starts after this one ends
-  }
-  __syncthreads();
-  return last;
-}
-
-// Adds slots first, first + step, ... (n of them) of each of the strip's K x 32V columns into
-// the first slot, or (FINAL) into the outputs.
-template <typename T, int K, int V, bool FINAL>
-__device__ void add_slots(float* partial, int chunks, int cols, int col_begin, int first, int step, int n,
-                          const GradOuts<K>& out) {
-  for (int idx = threadIdx.y * 32 + threadIdx.x; idx < K * 32 * V; idx += 32 * kRowTile) {
-    const int k = idx / (32 * V), col = col_begin + idx % (32 * V);
-    if (col >= cols) continue;
-    float* const p = partial + int64_t(k) * chunks * cols + col;
-    float s = 0.f;
-    for (int i0 = 0; i0 < n; i0 += kGroupChunks) {  // kGroupChunks slots' loads in flight at once
-      float v[kGroupChunks];
-#pragma unroll
-      for (int i = 0; i < kGroupChunks; ++i)
-        v[i] = i0 + i < n ? __ldcg(p + int64_t(first + (i0 + i) * step) * cols) : 0.f;
-#pragma unroll
-      for (int i = 0; i < kGroupChunks; ++i) s += v[i];
-    }
-    if constexpr (FINAL) {
-      GradOut g = out.g[0];
-#pragma unroll
-      for (int j = 1; j < K; ++j)  // no run-time index into the kernel's parameters (a local copy)
-        if (k == j) g = out.g[j];
-      T* const o = static_cast<T*>(g.ptr);
-      o[col] = from_f<T>(g.accumulate ? s + to_f(o[col]) : s);
-    } else {
-      __stcg(p + int64_t(first) * cols, s);
-    }
-  }
-}
-
-// Stage one (the map and the chunks' partial sums) and stage two (above) in one launch: a
-// block takes 32 x V columns of a chunk of rows, 8 rows at a time.
-template <typename T, int K, int V, typename F>
-__global__ void map_column_sum_kernel(F f, float* __restrict__ partial, int64_t rows, int cols, int64_t chunk_rows,
-                                      GradOuts<K> out) {
+// Stage one (the map and the chunks' partial sums): a block takes 32 x V columns of a chunk of
+// rows, 8 rows at a time.
+template <int K, int V, typename F>
+__global__ void map_column_sum_kernel(F f, float* __restrict__ partial, int64_t rows, int cols, int64_t chunk_rows) {
   __shared__ float acc_s[kRowTile][K][32 * V + 1];
   const int strip0 = blockIdx.x * 32 * V, col0 = strip0 + threadIdx.x * V;
   const int chunks = gridDim.y, chunk = blockIdx.y;
@@ -145,50 +90,30 @@ __global__ void map_column_sum_kernel(F f, float* __restrict__ partial, int64_t 
     for (int r = 0; r < kRowTile; ++r) s += acc_s[r][k][c];
     partial[(int64_t(k) * chunks + chunk) * cols + col] = s;
   }
-  const int groups = chunk_groups(chunks), group = chunk / kGroupChunks, first = group * kGroupChunks;
-  const int in_group = chunks - first < kGroupChunks ? chunks - first : kGroupChunks;
-  unsigned* const counters = column_counters + blockIdx.x * (groups + 1);
-  if (!last_to_arrive(counters + group, in_group)) return;
-  add_slots<T, K, V, false>(partial, chunks, cols, strip0, first, 1, in_group, out);
-  if (!last_to_arrive(counters + groups, groups)) return;
-  add_slots<T, K, V, true>(partial, chunks, cols, strip0, 0, kGroupChunks, groups, out);
 }
 
 // out[k][col] = sum over rows of the k-th value f gives for (row, col); partial holds
-// K x column_chunks(rows) x cols floats (the K sums' partials one after the other); cols at
-// most kMaxColumnSumCols.
-// How many blocks of `Kernel` (32 x kRowTile threads) the device runs at once (its blocks an
-// SM found once per kernel: a template argument, not a pointer type that kernels share).
-template <auto Kernel>
-int resident_blocks() {
-  static const int per_sm = [] {
-    int n = 1;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, 32 * kRowTile, 0);
-    return n < 1 ? 1 : n;
-  }();
-  int device = 0, sms = 1;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return per_sm * sms;
-}
+// K x column_chunks(rows) x cols floats (the K sums' partials one after the other). Chunks of
+// kMapChunkRows rows: at 8,192 x 1,024 fp16, 64 rows a chunk took 12.4 us where 32 took 12.8
+// and 128 took 14.1 (stage one alone, bias_dropout_residual backward, timed in a CUDA graph).
+constexpr int kMapChunkRows = 64;
 
-// Row chunks: column_chunks(rows) at most (the partial's size), and no more than one wave of
-// blocks holds: every block waits for its partial sums to reach L2 and for its counter before
-// it exits, a delay a second wave would pay again.
 template <typename T, int K, typename F>
 void map_column_sum(F f, bool vectorizable, const GradOuts<K>& out, float* partial, int64_t rows, int cols,
                     cudaStream_t stream) {
+  const int64_t wanted = rows > kMapChunkRows ? (rows + kMapChunkRows - 1) / kMapChunkRows : 1;
+  const int chunks = wanted < column_chunks(rows) ? int(wanted) : column_chunks(rows);
+  const int64_t chunk_rows = (rows + chunks - 1) / chunks;
   auto launch = [&]<int V>() {
-    constexpr auto kernel = map_column_sum_kernel<T, K, V, F>;
-    const int strips = ceil_div(cols, 32 * V), wave = resident_blocks<kernel>() / strips;
-    const int chunks = column_chunks(rows) < wave ? column_chunks(rows) : (wave < 1 ? 1 : wave);
-    const int64_t chunk_rows = (rows + chunks - 1) / chunks;
-    kernel<<<dim3(strips, chunks), dim3(32, kRowTile), 0, stream>>>(f, partial, rows, cols, chunk_rows, out);
+    map_column_sum_kernel<K, V, F><<<dim3(ceil_div(cols, 32 * V), chunks), dim3(32, kRowTile), 0, stream>>>(
+        f, partial, rows, cols, chunk_rows);
   };
   if (vectorizable && cols % kVec<T> == 0)
     launch.template operator()<kVec<T>>();
   else
     launch.template operator()<1>();
+  column_sum_finish_kernel<T, K><<<dim3(ceil_div(cols, 32), K), dim3(32, kFinishLanes), 0, stream>>>(partial, chunks,
+                                                                                                     cols, out);
 }
 
 }  // namespace ls
