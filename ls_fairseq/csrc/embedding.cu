@@ -425,8 +425,9 @@ struct BackwardBuffers {
   }
 };
 
-// Whether the rank sort (slice_sort_kernel, merge_rank_kernel) sorts the n ids: at most kRankSortKeys, and their keys (id and position)
-// within 31 bits (less()), the position's field holding n (above every real key: the padding's).
+// Whether the rank sort (slice_sort_kernel, merge_rank_kernel) sorts the n ids: at most
+// kRankSortKeys, and their keys (id and position) within 31 bits (less()), the position's field
+// holding n (above every real key: the padding's).
 bool rank_sorts(int64_t n, int64_t rows) { return n <= kRankSortKeys && key_bits(rows) + key_bits(n + 1) <= 31; }
 
 // cub's temporary storage for its device-wide sort; none for the rank sort

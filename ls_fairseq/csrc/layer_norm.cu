@@ -451,8 +451,7 @@ void ln_backward_strips(const T* dy, const T* x, const T* gamma, const float* me
     case 3: launch.template operator()<3, 1>(); break;
     default: launch.template operator()<4, 2>(); break;
   }
-  column_sum_finish_kernel<T, K><<<dim3(ceil_div(hidden, 32), K), dim3(32, kFinishLanes), 0, stream>>>(
-      partial, blocks, hidden, out);
+  column_sum_finish<T, K>(partial, blocks, hidden, out, stream);
 }
 
 void layer_norm_backward(DType dt, const void* dy, const void* x, const void* gamma, const float* mean,

@@ -56,6 +56,13 @@ __global__ void column_sum_finish_kernel(const float* __restrict__ partial, int 
   o[col] = from_f<T>(s);
 }
 
+// Stage two's launch over `chunks` partial rows of `cols` columns, each of the K sums.
+template <typename T, int K>
+void column_sum_finish(const float* partial, int chunks, int cols, const GradOuts<K>& out, cudaStream_t stream) {
+  column_sum_finish_kernel<T, K><<<dim3(ceil_div(cols, 32), K), dim3(32, kFinishLanes), 0, stream>>>(partial, chunks,
+                                                                                                     cols, out);
+}
+
 // Stage one (the map and the chunks' partial sums): a block takes 32 x V columns of a chunk of
 // rows, 8 rows at a time.
 template <int K, int V, typename F>
@@ -112,8 +119,7 @@ void map_column_sum(F f, bool vectorizable, const GradOuts<K>& out, float* parti
     launch.template operator()<kVec<T>>();
   else
     launch.template operator()<1>();
-  column_sum_finish_kernel<T, K><<<dim3(ceil_div(cols, 32), K), dim3(32, kFinishLanes), 0, stream>>>(partial, chunks,
-                                                                                                     cols, out);
+  column_sum_finish<T, K>(partial, chunks, cols, out, stream);
 }
 
 }  // namespace ls
