@@ -69,15 +69,6 @@ size_t backward_smem(int tq, int tk) {
   return 2 * l.heads<T>(l.lq) + 2 * l.heads<T>(l.lk) + s + 2 * l.probs<T>() + l.bits(tq, tk) + l.row_info(tk);
 }
 
-// Asynchronous 16-byte copy global -> shared (cp.async, sm_80+): every load of a block in flight at
-// once, waited for by cp_async_wait_all before the barrier that publishes them.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
-}
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
-
 // A [rows, d_head] slice of one (batch, head) into smem rows of pitch kLdh, zero rows up to `padded`.
 template <typename T>
 __device__ void load_rows(T* dst, const T* src, int64_t stride, int rows, int padded) {

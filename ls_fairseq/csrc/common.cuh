@@ -73,6 +73,22 @@ __device__ __forceinline__ void store(T* p, const float (&in)[N]) {
   }
 }
 
+// Asynchronous 16-byte copies global -> shared (cp.async, sm_80+), bypassing L1: a thread's copies
+// are committed as a group, and cp_async_wait<N> waits until at most N of its groups are in flight
+// (cp_async_wait_all: none); the copies are then visible to the thread that issued them, to the
+// rest of the block after a barrier. The "memory" clobbers keep the compiler from moving shared
+// memory reads of a slot above the wait for it, or below the next copy into it.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // e^x and 2^x by the SFU's ex2.approx with results below 2^-126 flushed to zero: a multiply and one
 // MUFU. (__expf and exp2f keep such results by rescaling around the MUFU, ~5 instructions more an
 // element, for values that no probability stored in 16 bits, nor a sum of them in fp32, holds.)

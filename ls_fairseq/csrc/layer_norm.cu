@@ -220,24 +220,27 @@ struct LnParamMap {
   }
 };
 
-// One pass over a strip of rows, kStripRows rows in flight a block: row group g takes rows
-// g, g + kStripRows, ... of the strip, and loads its next row's dy and x before this row's
-// reduction (two rows in flight a group); dx is stored at once, dy * xhat and dy are added
-// to the lane's column sums, and the block folds its warps' sums in a fixed order into the
-// strip's partial sums (column_sum_finish_kernel adds the strips up). A row group is one
-// warp holding whole rows (ITEMS x 32 vectors a lane), or, with SPLIT = 2 (ITEMS even), a
-// pair of warps each holding half the row: half the registers a thread (~120 against ~240
-// at hidden 1,024 in fp16), so twice the warps an SM in flight; the halves' row sums meet in
-// shared memory behind a barrier of the pair's 64 threads only, double-buffered by the
-// row's parity so that one barrier a row suffices (a half cannot overwrite a slot its
-// partner still reads: it passed the barrier of the row in between), added in the same
-// order by both halves.
+// One pass over a strip of rows: row group g of the block takes rows g, g + kStripRows, ... of the
+// strip. Each thread copies its dy and x vectors of the group's next kStages - 1 rows into its own
+// slots of a shared-memory ring (cp.async), so that the loads of kStages - 1 rows a group are in
+// flight while it computes one, at no register cost; a row's mean and rstd come from one load of 32
+// rows' statistics, a lane each, passed along by shuffles. dx is stored at once, dy * xhat and dy
+// are added to the lane's column sums, and the block folds its warps' sums in a fixed order into
+// the strip's partial sums (column_sum_finish_kernel adds the strips up). A row group is one warp
+// holding whole rows (ITEMS x 32 vectors a lane), or, with SPLIT = 2 (ITEMS even), a pair of warps
+// each holding half the row: half the registers a thread, so more warps an SM; the halves' row
+// sums meet in shared memory behind a barrier of the pair's 64 threads only, double-buffered by
+// the row's parity so that one barrier a row suffices (a half cannot overwrite a slot its partner
+// still reads: it passed the barrier of the row in between), added in the same order by both
+// halves. (Until the 18th session the next row's dy and x waited in registers: one row in flight a
+// group, and ~2 us a row at 8 rows a group: 17.8 us at 8,192 x 1,024 fp16, 59% of copy bandwidth.)
 // With a BdrTail (post-LN's block end, bias_dropout_residual_layer_norm) the kernel also does
 // bias_dropout_residual's backward on each row's dx while it holds it: dh = dx * keep / (1 - p)
 // (from dx rounded to T, as the two ops in a row compute it) is stored, and its column sums
 // (the bias's gradient) join gamma's and beta's: one kernel and one read of dx less than
 // LayerNorm's backward followed by bias_dropout_residual's.
 constexpr int kStripRows = 4;
+constexpr int kStages = 4;  // ring slots a thread: kStages - 1 rows' loads in flight a row group
 
 template <typename T>
 struct BdrTail {
@@ -259,6 +262,13 @@ __device__ __forceinline__ void row_group_barrier(int group) {
   }
 }
 
+// The strip kernel's dynamic shared memory: the ring, [kStages][warp][dy, x][item][lane] 16-byte
+// vectors, which the fold of the column sums reuses at the end (it needs at most one stage's bytes).
+template <int W, int SPLIT>
+constexpr int strip_ring_bytes() {
+  return kStages * kStripRows * SPLIT * 2 * W * 32 * 16;
+}
+
 template <typename T, int ITEMS, int SPLIT, bool BDR>
 __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
     ln_backward_strip_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ gamma,
@@ -267,49 +277,57 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
   static_assert(ITEMS % SPLIT == 0, "a row splits into whole lane vectors");
   constexpr int V = kVec<T>, W = ITEMS / SPLIT, C = W * 32 * V;  // a warp's vectors a lane, its columns
   constexpr int kWarps = kStripRows * SPLIT, K = BDR ? 3 : 2;     // K sums: dgamma, dbeta (, dbias)
-  __shared__ float fold[kWarps][C];  // one sum at a time: [warp][(item, element, lane)]
+  static_assert(kWarps * C * sizeof(float) <= strip_ring_bytes<W, SPLIT>(), "the fold fits in the ring");
+  extern __shared__ uint4 ring[];
   __shared__ float halves[kStripRows][2][SPLIT][2];  // [group][row parity][half][sum g, sum g xhat]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, group = warp / SPLIT, half = warp % SPLIT;
   const int64_t r0 = int64_t(blockIdx.x) * strip, r1 = r0 + strip < rows ? r0 + strip : rows;
   const T* const g0 = gamma + half * C;
   const float inv_hidden = 1.f / hidden;
   float acc[W][K][V] = {};
-  Pack<T, V> next_dy[W], next_x[W];
-  float next_mu = 0.f, next_rs = 0.f;
-  // the row's statistics travel with its dy and x: loaded at the top of the row's use, they cost
-  // every row a dependent global load's latency
-  auto fetch = [&](int64_t row) {
+  auto slot = [&](int stage, int tensor, int it) -> uint4* {
+    return ring + ((((stage * kWarps) + warp) * 2 + tensor) * W + it) * 32 + lane;
+  };
+  // row's vectors into ring stage `stage`; a group past the strip's end is empty, committed all the
+  // same, so that the count of groups in flight says which row has arrived
+  auto issue = [&](int64_t row, int stage) {
+    if (row < r1) {
 #pragma unroll
-    for (int it = 0; it < W; ++it) {
-      const int64_t c = row * hidden + half * C + (it * 32 + lane) * V;
-      next_dy[it] = load_pack<T, V>(dy + c);
-      next_x[it] = load_pack<T, V>(x + c);
+      for (int it = 0; it < W; ++it) {
+        const int64_t c = row * hidden + half * C + (it * 32 + lane) * V;
+        cp_async16(slot(stage, 0, it), dy + c);
+        cp_async16(slot(stage, 1, it), x + c);
+      }
     }
-    next_mu = mean[row];
-    next_rs = rstd[row];
+    cp_async_commit();
   };
   int64_t r = r0 + group;
-  if (r < r1) fetch(r);
-  for (int parity = 0; r < r1; r += kStripRows, parity ^= 1) {
-    Pack<T, V> cur_dy[W], cur_x[W];
 #pragma unroll
-    for (int it = 0; it < W; ++it) {
-      cur_dy[it] = next_dy[it];
-      cur_x[it] = next_x[it];
+  for (int s = 0; s < kStages - 1; ++s) issue(r + int64_t(s) * kStripRows, s);
+  float lane_mu = 0.f, lane_rs = 0.f;  // the statistics of row r + kStripRows * lane (of 32 from j & ~31)
+  for (int j = 0, parity = 0; r < r1; ++j, r += kStripRows, parity ^= 1) {
+    if ((j & 31) == 0) {
+      const int64_t row = r + int64_t(kStripRows) * lane;
+      lane_mu = row < r1 ? mean[row] : 0.f;
+      lane_rs = row < r1 ? rstd[row] : 0.f;
     }
-    const float mu = next_mu, rs = next_rs;
-    if (r + kStripRows < r1) fetch(r + kStripRows);
+    issue(r + int64_t(kStages - 1) * kStripRows, (j + kStages - 1) % kStages);  // the stage row j - 1 used
+    const float mu = __shfl_sync(0xffffffffu, lane_mu, j & 31), rs = __shfl_sync(0xffffffffu, lane_rs, j & 31);
+    cp_async_wait<kStages - 1>();  // row j's copies have arrived
     // g = dy * gamma and xhat held for dx; dy's column sums taken here, so neither dy nor gamma is
     // needed (nor gamma loaded and converted again) after the row's reduction
     float g[W][V], xh[W][V], sg = 0.f, sgx = 0.f;
 #pragma unroll
     for (int it = 0; it < W; ++it) {
+      Pack<T, V> cur_dy, cur_x;
+      memcpy(&cur_dy, slot(j % kStages, 0, it), sizeof(uint4));
+      memcpy(&cur_x, slot(j % kStages, 1, it), sizeof(uint4));
       float gm[V];
       load<T, V>(g0 + (it * 32 + lane) * V, gm);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
-        const float d = to_f(cur_dy[it].v[i]);
-        xh[it][i] = (to_f(cur_x[it].v[i]) - mu) * rs;
+        const float d = to_f(cur_dy.v[i]);
+        xh[it][i] = (to_f(cur_x.v[i]) - mu) * rs;
         g[it][i] = d * gm[i];
         sg += g[it][i];
         sgx += g[it][i] * xh[it][i];
@@ -354,11 +372,14 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
       }
     }
   }
-  // the block's sums into the strip's partial sums, one sum at a time through shared memory in a
-  // lane-fastest layout (conflict-free stores and loads), the row groups added in a fixed order
+  // the block's sums into the strip's partial sums, one sum at a time through shared memory (the
+  // ring, its copies all arrived: the groups left are empty) in a lane-fastest layout
+  // (conflict-free stores and loads), the row groups added in a fixed order
+  float(*fold)[C] = reinterpret_cast<float(*)[C]>(ring);
+  cp_async_wait_all();
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    if (k > 0) __syncthreads();  // the previous sum's reads are done
+    __syncthreads();  // the ring's last reads, or the previous sum's, are done
 #pragma unroll
     for (int it = 0; it < W; ++it)
 #pragma unroll
@@ -442,8 +463,12 @@ void ln_backward_strips(const T* dy, const T* x, const T* gamma, const float* me
   const int chunks = column_chunks(rows);
   const int strip = int((rows + chunks - 1) / chunks), blocks = int((rows + strip - 1) / strip);
   auto launch = [&]<int ITEMS, int SPLIT>() {
-    ln_backward_strip_kernel<T, ITEMS, SPLIT, BDR><<<blocks, 32 * kStripRows * SPLIT, 0, stream>>>(
-        dy, x, gamma, mean, rstd, dx, tail, partial, rows, hidden, strip);
+    constexpr int bytes = strip_ring_bytes<ITEMS / SPLIT, SPLIT>();
+    const auto kernel = ln_backward_strip_kernel<T, ITEMS, SPLIT, BDR>;
+    // above the 48 KB a block may take without asking (64 KB at hidden 1,024 in fp16)
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    kernel<<<blocks, 32 * kStripRows * SPLIT, bytes, stream>>>(dy, x, gamma, mean, rstd, dx, tail, partial, rows,
+                                                                hidden, strip);
   };
   switch (hidden / (32 * kVec<T>)) {  // a row in two halves when it splits into whole lane vectors
     case 1: launch.template operator()<1, 1>(); break;
