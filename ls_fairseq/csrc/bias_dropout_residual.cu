@@ -1,9 +1,10 @@
 // bias_dropout_residual: out = residual + dropout(x + bias), the tail of every
 // attention and FFN block.
 // Fuses: bias add, dropout (mask drawn in-kernel from Philox), residual add.
-// Never written to memory: x + bias, the dropped value, the keep-mask (backward
-// draws the keep-bits again from the forward's Philox state; LightSeq2's
-// bias+dropout+residual fusion stores them, a byte an element).
+// Never written to memory: x + bias, the dropped value. The keep-mask is written
+// as bits, 1/16 of the output's bytes in fp16 (LightSeq2's bias+dropout+residual
+// fusion stores a byte an element), which backward reads: drawing them again
+// there cost more than the read (18th session).
 // Backward: dx = dout * keep / (1 - p), dresidual = dout (returned as is by the
 // autograd Function), dbias = column sum of dx, fused into the same pass.
 #include "common.cuh"

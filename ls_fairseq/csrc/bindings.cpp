@@ -78,14 +78,15 @@ ls::RngState philox_state() {
 }
 
 // A dropout call, as its backward needs it: the Philox state its forward drew the keep-bits
-// with (or the given mask, held here), which the backward kernel draws again; no mask is
-// stored. mask() writes the keep-mask out (for tests and inspection).
+// with, which the backward kernel draws again, or the given mask, or the keep-bits the forward
+// stored (held here). mask() writes the keep-mask out (for tests and inspection).
 struct Dropout {
   ls::RngState rng;
   std::optional<Tensor> given;
   std::vector<int64_t> shape;
   double p;
   c10::Device device;
+  std::optional<Tensor> bits;
 
   Tensor mask() const {
     if (given) return *given;
@@ -104,6 +105,17 @@ std::optional<Dropout> draw_dropout(const std::optional<Tensor>& given, double p
   const std::vector<int64_t> shape(like.sizes().begin(), like.sizes().end());
   if (given) return Dropout{ls::RngState{0, 0, given->data_ptr<uint8_t>()}, given, shape, p, like.device()};
   return Dropout{philox_state(), std::nullopt, shape, p, like.device()};
+}
+
+// The dropout of a forward call whose kernel also stores the keep-bits it draws, a bit an element,
+// for the backward to read (kernels.h, RngState::bits); a given mask is read as it is.
+std::optional<Dropout> draw_dropout_stored(const std::optional<Tensor>& given, double p, const Tensor& like) {
+  auto dropout = draw_dropout(given, p, like);
+  if (dropout && !given) {
+    dropout->bits = torch::empty({(like.numel() + 7) / 8}, like.options().dtype(at::kByte));
+    dropout->rng.bits = dropout->bits->data_ptr<uint8_t>();
+  }
+  return dropout;
 }
 
 // The state a forward kernel draws its keep-bits with (unused at p = 0).
@@ -230,7 +242,7 @@ std::tuple<Tensor, std::optional<Dropout>> bias_dropout_residual_forward(const T
   check_mask(given, x, "mask");
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = torch::empty_like(x);
-  auto dropout = draw_dropout(given, p, x);
+  auto dropout = draw_dropout_stored(given, p, x);
   ls::bias_dropout_residual_forward(dtype_of(x, "x"), x.data_ptr(), bias.data_ptr(), residual.data_ptr(),
                                     out.data_ptr(), x.numel() / hidden, hidden, float(p),
                                     rng_of(dropout), stream());
@@ -274,7 +286,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, std::optional<Dropout>> bias_dropout_
   auto y = torch::empty_like(h);
   auto mean = torch::empty({rows}, h.options().dtype(at::kFloat));
   auto rstd = torch::empty({rows}, h.options().dtype(at::kFloat));
-  auto dropout = draw_dropout(given, p, h);
+  auto dropout = draw_dropout_stored(given, p, h);
   ls::bias_dropout_residual_layer_norm_forward(dtype_of(h, "h"), h.data_ptr(), bias.data_ptr(), residual.data_ptr(),
                                                weight.data_ptr(), ln_bias.data_ptr(), x.data_ptr(), y.data_ptr(),
                                                mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, hidden,
@@ -759,7 +771,7 @@ void scaled_grad_norm(const Tensor& grad, const Tensor& state, double factor, do
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ls_fairseq fused CUDA kernels (see ls_fairseq/ops for each op's contract)";
-  py::class_<Dropout>(m, "Dropout", "A dropout call's keep-bits, as its backward draws them again (no mask is stored)")
+  py::class_<Dropout>(m, "Dropout", "A dropout call's keep-bits, as its backward finds them: drawn again, or stored a bit an element")
       .def_property_readonly("p", [](const Dropout& d) { return d.p; })
       .def("mask", &Dropout::mask, "the keep-mask (uint8, 1 = keep) the call drew, written out");
   m.def("draw_dropout", &next_dropout, "the Dropout the next kernel call over like's shape at rate p would draw");

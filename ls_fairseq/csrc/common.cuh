@@ -267,18 +267,67 @@ __device__ __forceinline__ void keep_run(const RngState& rng, uint64_t e, float 
   }
 }
 
-// A dropout's keep-bits drawn again in a backward: the forward's state, or (`draw` false) every
-// element kept.
+// The keep-bits of elements e .. e + N - 1 written to rng.bits (when set) by the forward that drew
+// them (e a multiple of N). N < 8: the thread of the byte's first element writes the byte, its
+// eight bits drawn (the same call as its own keep_run, which the compiler merges).
+template <int N>
+__device__ __forceinline__ void record_keeps(const RngState& rng, uint64_t e, float p, const bool (&keep)[N]) {
+  if (!rng.bits) return;
+  if constexpr (N >= 8) {
+#pragma unroll
+    for (int i = 0; i < N; i += 8) {
+      unsigned byte = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) byte |= unsigned(keep[i + j]) << j;
+      rng.bits[(e + i) >> 3] = uint8_t(byte);
+    }
+  } else if ((e & 7) == 0) {
+    bool k[8];
+    keep8(rng, e >> 3, p, k);
+    unsigned byte = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) byte |= unsigned(k[j]) << j;
+    rng.bits[e >> 3] = uint8_t(byte);
+  }
+}
+
+// A dropout's keep-bits in a backward: read from the bits the forward stored, or drawn again
+// from the forward's state, or (`draw` false) every element kept. For N <= 8 elements in one
+// byte of the bits, a kernel may load the byte ahead (stored) and take the bits from it later
+// (from); run does both at once.
 struct Redraw {
   RngState rng;
   bool draw;
   template <int N>
-  __device__ __forceinline__ void run(uint64_t e, float p, bool (&keep)[N]) const {
-    if (draw) {
+  __device__ __forceinline__ unsigned stored(uint64_t e) const {
+    static_assert(N <= 8, "one byte of keep-bits");
+    return draw && rng.bits ? rng.bits[e >> 3] : 0u;
+  }
+  template <int N>
+  __device__ __forceinline__ void from(unsigned byte, uint64_t e, float p, bool (&keep)[N]) const {
+    if (draw && rng.bits) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) keep[i] = (byte >> ((e & 7) + i)) & 1u;
+    } else if (draw) {
       keep_run<N>(rng, e, p, keep);
     } else {
 #pragma unroll
       for (int i = 0; i < N; ++i) keep[i] = true;
+    }
+  }
+  template <int N>
+  __device__ __forceinline__ void run(uint64_t e, float p, bool (&keep)[N]) const {
+    if constexpr (N > 8) {
+      static_assert(N % 8 == 0, "whole bytes of keep-bits");
+#pragma unroll
+      for (int i = 0; i < N; i += 8) {
+        bool k[8];
+        run<8>(e + i, p, k);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) keep[i + j] = k[j];
+      }
+    } else {
+      from<N>(stored<N>(e), e, p, keep);
     }
   }
 };

@@ -5,8 +5,9 @@
 // pointer allow, else V = 1), a block's y index the rows: no division or modulo by
 // cols anywhere. The keep-mask comes from Philox (keep_run, a function of the element
 // index r * cols + c only, so any launch shape draws the same mask, and a backward kernel
-// draws it again from the same RngState): it is never stored. The thread issues its loads
-// (F.fetch), draws the keep-bits while they are in flight, then computes. F provides
+// draws it again from the same RngState); it is written only as bits, where the RngState
+// asks. The thread issues its loads (F.fetch), draws the keep-bits while they are in flight,
+// then computes. F provides
 //   template <int N> struct In;                                            // what fetch loaded
 //   template <int N> In<N> fetch(int64_t r, int c) const;                  // N elements from (r, c)
 //   template <int N> void values(const In<N>& in, float (&v)[N]) const;
@@ -39,6 +40,7 @@ __global__ void dropout_map_kernel(F f, T* __restrict__ out, int64_t rows, int c
     bool keep[V];
     if (p > 0.f) {
       keep_run<V>(rng, e, p, keep);
+      record_keeps<V>(rng, e, p, keep);
     } else {
 #pragma unroll
       for (int i = 0; i < V; ++i) keep[i] = true;

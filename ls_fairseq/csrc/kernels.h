@@ -19,8 +19,12 @@ enum class DType { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 // before each replay, so every replay draws new masks) and this call's offset
 // within the graph. The keep-bit of element e is a function of the state and e
 // alone: a forward kernel draws it and a backward kernel draws it again from
-// the same state, so no mask is ever stored (LightSeq2 keeps a byte an element:
-// ~0.6 GiB of transformer-big's activations at 16,384 tokens).
+// the same state, so no mask need be stored (LightSeq2 keeps a byte an element:
+// ~0.6 GiB of transformer-big's activations at 16,384 tokens). With `bits` set, the
+// forward also writes its keep-bits there, a bit an element (element e: bit e & 7 of
+// byte e >> 3, 1/16 of an fp16 activation), and the backward reads them instead of
+// drawing: bias_dropout_residual(_layer_norm), whose backward is a light map that the
+// Philox rounds slowed by more than the read costs (18th session).
 struct RngState {
   uint64_t seed;
   uint64_t offset;
@@ -28,6 +32,7 @@ struct RngState {
   const int64_t* seed_ptr = nullptr;
   const int64_t* offset_ptr = nullptr;
   uint64_t offset_intragraph = 0;
+  uint8_t* bits = nullptr;
 };
 
 // A parameter's gradient a backward kernel produces: written, or, with

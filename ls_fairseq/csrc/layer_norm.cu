@@ -41,8 +41,8 @@ __device__ __forceinline__ void row_sum2(float& a, float& b) {
 // The values a LayerNorm normalises. XRows: x itself. BdrRows: x = residual +
 // dropout(h + bias), the post-LN block's end (bias_dropout_residual_layer_norm), computed
 // in the order bias_dropout_residual's kernel uses and rounded to T as it stores them, so
-// both paths give the same bits; x is written for backward, x + bias, the dropped values
-// and the keep-mask never (backward draws the keep-bits again).
+// both paths give the same bits; x is written for backward, and the keep-bits where the
+// RngState asks; x + bias and the dropped values never.
 template <typename T>
 struct XRows {
   const T* x;
@@ -83,6 +83,7 @@ struct BdrRows {
   __device__ void load(int64_t e, int c, float (&v)[V]) const {
     bool keep[V];
     values<V>(e, c, v, keep);
+    if (p > 0.f) record_keeps<V>(rng, e, p, keep);
     store<T, V>(x + e, v);
   }
   // the value at a row's start (the statistics' shift), before any thread has stored it
@@ -238,7 +239,8 @@ struct LnParamMap {
 // bias_dropout_residual's backward on each row's dx while it holds it: dh = dx * keep / (1 - p)
 // (from dx rounded to T, as the two ops in a row compute it) is stored, and its column sums
 // (the bias's gradient) join gamma's and beta's: one kernel and one read of dx less than
-// LayerNorm's backward followed by bias_dropout_residual's.
+// LayerNorm's backward followed by bias_dropout_residual's. The keep-bits the forward stored
+// are loaded a row ahead, a byte a vector.
 constexpr int kStripRows = 4;
 constexpr int kStages = 4;  // ring slots a thread: kStages - 1 rows' loads in flight a row group
 
@@ -305,6 +307,14 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue(r + int64_t(s) * kStripRows, s);
   float lane_mu = 0.f, lane_rs = 0.f;  // the statistics of row r + kStripRows * lane (of 32 from j & ~31)
+  // with BDR, the bytes of stored keep-bits of this thread's vectors, loaded a row ahead
+  unsigned next_bits[W] = {};
+  auto fetch_bits = [&](int64_t row) {
+#pragma unroll
+    for (int it = 0; it < W; ++it)
+      if (row < r1) next_bits[it] = tail.keeps.template stored<V>(row * hidden + half * C + (it * 32 + lane) * V);
+  };
+  if constexpr (BDR) fetch_bits(r);
   for (int j = 0, parity = 0; r < r1; ++j, r += kStripRows, parity ^= 1) {
     if ((j & 31) == 0) {
       const int64_t row = r + int64_t(kStripRows) * lane;
@@ -313,6 +323,10 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
     }
     issue(r + int64_t(kStages - 1) * kStripRows, (j + kStages - 1) % kStages);  // the stage row j - 1 used
     const float mu = __shfl_sync(0xffffffffu, lane_mu, j & 31), rs = __shfl_sync(0xffffffffu, lane_rs, j & 31);
+    unsigned bits[W];
+#pragma unroll
+    for (int it = 0; it < W; ++it) bits[it] = next_bits[it];
+    if constexpr (BDR) fetch_bits(r + kStripRows);
     cp_async_wait<kStages - 1>();  // row j's copies have arrived
     // g = dy * gamma and xhat held for dx; dy's column sums taken here, so neither dy nor gamma is
     // needed (nor gamma loaded and converted again) after the row's reduction
@@ -361,7 +375,7 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
       store<T, V>(dx + e, o);
       if constexpr (BDR) {
         bool keep[V];
-        tail.keeps.template run<V>(e, tail.p, keep);
+        tail.keeps.template from<V>(bits[it], e, tail.p, keep);
         const float scale = tail.p > 0.f ? 1.f / (1.f - tail.p) : 1.f;
 #pragma unroll
         for (int i = 0; i < V; ++i) {

@@ -1,9 +1,9 @@
 """out = residual + dropout(x + bias): the tail of every attention and FFN block.
 
-One pass reads x, bias, residual and writes out; x + bias and the keep-mask are
-never stored. Backward needs only the dropout (the kernel draws its keep-bits
-again); the residual's gradient goes back to autograd, or to the block's first
-op (ops.residual).
+One pass reads x, bias, residual and writes out, and the keep-mask as bits; x + bias
+is never stored. Backward needs only the dropout (the kernel reads its keep-bits);
+the residual's gradient goes back to autograd, or to the block's first op
+(ops.residual).
 """
 import torch
 

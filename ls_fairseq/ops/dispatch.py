@@ -179,8 +179,9 @@ def dropout_mask(shape, p, device):
 def save_with_dropout(ctx, tensors, dropout):
     """``ctx.save_for_backward(*tensors)`` and what the backward needs to apply the forward's dropout:
     the reference's uint8 keep-mask, saved with the tensors, or the kernel's ``_C.Dropout`` (the
-    Philox state the forward drew with: the backward kernel draws the keep-bits again, no mask is
-    stored), kept on ``ctx``; None without dropout. Autograd makes no zero gradient for an unused
+    Philox state the forward drew with, which the backward kernel draws the keep-bits again from,
+    and the keep-bits where the forward stored them, a bit an element), kept on ``ctx``; None
+    without dropout. Autograd makes no zero gradient for an unused
     output (backward then receives None). ``saved_with_dropout`` gives both back."""
     ctx.mask_saved = torch.is_tensor(dropout)
     ctx.save_for_backward(*tensors, *((dropout,) if ctx.mask_saved else ()))
