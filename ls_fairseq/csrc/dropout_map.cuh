@@ -12,6 +12,13 @@
 //   template <int N> In<N> fetch(int64_t r, int c) const;                  // N elements from (r, c)
 //   template <int N> void values(const In<N>& in, float (&v)[N]) const;
 //   template <int N> void finish(const In<N>& in, float (&v)[N]) const;    // in place
+// A map whose row addresses wait on loads of their own (the embedding's ids) provides instead of
+// fetch(r, c)
+//   Located locate(int64_t r) const;                                       // issues those loads
+//   template <int N> In<N> fetch(const Located& at, int c) const;
+// and the thread draws while locate's loads are in flight, then fetches: drawing after fetch left
+// the draw behind two dependent loads (the embedding forward, 8,192 x 1,024 fp16: 14.3 us, drawing
+// first 11.2 us, 11.5 at p = 0; 18th session).
 #pragma once
 
 #include "common.cuh"
@@ -28,6 +35,20 @@ __device__ __forceinline__ void add_unpacked(const Pack<T, N>& x, const Pack<T, 
   for (int i = 0; i < N; ++i) v[i] += bv[i];
 }
 
+template <typename F>
+concept Locating = requires(const F& f, int64_t r) { f.locate(r); };
+
+template <int V>
+__device__ __forceinline__ void draw_keeps(const RngState& rng, int64_t e, float p, bool (&keep)[V]) {
+  if (p > 0.f) {
+    keep_run<V>(rng, e, p, keep);
+    record_keeps<V>(rng, e, p, keep);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) keep[i] = true;
+  }
+}
+
 template <typename T, int V, typename F>
 __global__ void dropout_map_kernel(F f, T* __restrict__ out, int64_t rows, int cols, float p, RngState rng) {
   const int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
@@ -35,16 +56,19 @@ __global__ void dropout_map_kernel(F f, T* __restrict__ out, int64_t rows, int c
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const int64_t e = r * cols + c;
-    const auto in = f.template fetch<V>(r, c);
-    float v[V];
     bool keep[V];
-    if (p > 0.f) {
-      keep_run<V>(rng, e, p, keep);
-      record_keeps<V>(rng, e, p, keep);
-    } else {
-#pragma unroll
-      for (int i = 0; i < V; ++i) keep[i] = true;
-    }
+    const auto in = [&] {
+      if constexpr (Locating<F>) {
+        const auto at = f.locate(r);
+        draw_keeps<V>(rng, e, p, keep);
+        return f.template fetch<V>(at, c);
+      } else {
+        const auto loaded = f.template fetch<V>(r, c);
+        draw_keeps<V>(rng, e, p, keep);
+        return loaded;
+      }
+    }();
+    float v[V];
     f.template values<V>(in, v);
 #pragma unroll
     for (int i = 0; i < V; ++i) v[i] = keep[i] ? v[i] * scale : 0.f;

@@ -35,25 +35,28 @@ struct EmbForward {
   const T* pos_weight;
   int dim, padding_idx;
   float scale;
-  // the row's values, converted in fetch: the table row's address waits on the id's load, and
-  // drawing the keep-bits before converting made the forward slower (run 46: 0.013 -> 0.016 ms),
-  // and so did four rows a thread, their ids' loads in flight together (17th session: 0.015)
+  // the row's values, converted in fetch; the ids' loads first (locate), the keep-bits drawn while
+  // they are in flight (dropout_map.cuh). Four rows a thread, their ids' loads in flight together,
+  // made the forward slower (17th session: 0.013 -> 0.015 ms).
   template <int N>
   struct In {
     float v[N];
   };
+  struct Located {
+    int64_t tok, pos;
+  };
+  __device__ Located locate(int64_t i) const { return {tokens[i], positions[i]}; }
   template <int N>
-  __device__ In<N> fetch(int64_t i, int c) const {
-    const int64_t tok = tokens[i], pos = positions[i];
+  __device__ In<N> fetch(const Located& at, int c) const {
     In<N> in;
-    if (tok == padding_idx) {
+    if (at.tok == padding_idx) {
 #pragma unroll
       for (int k = 0; k < N; ++k) in.v[k] = 0.f;
       return in;
     }
     float w[N], pw[N];
-    load<T, N>(weight + tok * dim + c, w);
-    load<T, N>(pos_weight + pos * dim + c, pw);
+    load<T, N>(weight + at.tok * dim + c, w);
+    load<T, N>(pos_weight + at.pos * dim + c, pw);
 #pragma unroll
     for (int k = 0; k < N; ++k) in.v[k] = w[k] * scale + pw[k];
     return in;
