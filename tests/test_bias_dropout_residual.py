@@ -83,6 +83,22 @@ def test_kernel_bias_gradient_of_any_width(rows, cols):
 
 
 @pytest.mark.gpu
+# more rows than a grid's y dimension holds (65,535), and one row of more column blocks than it holds
+# (one element a thread, 256 a block: two launches)
+@pytest.mark.parametrize("rows,hidden", [(70000, 8), (1, 65535 * 256 + 1)])
+def test_kernel_forward_of_any_shape(rows, hidden):
+    x, r = (torch.randn(rows, hidden, device="cuda") for _ in range(2))
+    b = torch.randn(hidden, device="cuda")
+    ext = kernel("bias_dropout_residual", x)
+    poison()
+    out, dropout = ext.bias_dropout_residual_forward(x, b, r, 0.1, None)
+    mask = drawn(dropout)
+    assert 0.89 < mask.float().mean().item() < 0.91
+    ref, _ = bias_dropout_residual_forward_reference(x.double(), b.double(), r.double(), 0.1, mask)
+    check_kernel(out, ref, None, "out")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("hidden", [1024, 1023])  # 16-byte vectors; the one-element path
 def test_kernel_dropout_rate_seed_and_given_mask(hidden):
     x, r = torch.randn(4096, hidden, device="cuda"), torch.zeros(4096, hidden, device="cuda")

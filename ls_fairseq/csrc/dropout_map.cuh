@@ -2,7 +2,7 @@
 // bias_dropout_residual, bias_act_dropout and embedding:
 //   out[r, c] = F.finish(r, c, keep[r, c] ? F.values(r, c) / (1 - p) : 0)
 // A thread takes V adjacent columns of a row (16-byte vectors when cols and every
-// pointer allow, else V = 1), a block's y index the rows: no division or modulo by
+// pointer allow, else V = 1), a block's x index the rows: no division or modulo by
 // cols anywhere. The keep-mask comes from Philox (keep_run, a function of the element
 // index r * cols + c only, so any launch shape draws the same mask, and a backward kernel
 // draws it again from the same RngState); it is written only as bits, where the RngState
@@ -17,8 +17,8 @@
 //   Located locate(int64_t r) const;                                       // issues those loads
 //   template <int N> In<N> fetch(const Located& at, int c) const;
 // and the thread draws while locate's loads are in flight, then fetches: drawing after fetch left
-// the draw behind two dependent loads (the embedding forward, 8,192 x 1,024 fp16: 14.3 us, drawing
-// first 11.2 us, 11.5 at p = 0; 18th session).
+// the draw behind two dependent loads (the embedding forward, 8,192 x 1,024 fp16, in a CUDA graph:
+// 14.3 us; drawing first 13.1 through this map's former shape, 11.2 as a plain kernel; runs 60-61).
 #pragma once
 
 #include "common.cuh"
@@ -38,60 +38,72 @@ __device__ __forceinline__ void add_unpacked(const Pack<T, N>& x, const Pack<T, 
 template <typename F>
 concept Locating = requires(const F& f, int64_t r) { f.locate(r); };
 
-template <int V>
-__device__ __forceinline__ void draw_keeps(const RngState& rng, int64_t e, float p, bool (&keep)[V]) {
-  if (p > 0.f) {
-    keep_run<V>(rng, e, p, keep);
-    record_keeps<V>(rng, e, p, keep);
-  } else {
-#pragma unroll
-    for (int i = 0; i < V; ++i) keep[i] = true;
-  }
-}
-
-template <typename T, int V, typename F>
-__global__ void dropout_map_kernel(F f, T* __restrict__ out, int64_t rows, int cols, float p, RngState rng) {
-  const int c = (blockIdx.x * blockDim.x + threadIdx.x) * V;
+// A block takes threads x V columns of one row: grid x the rows, grid y the column blocks, so no
+// thread loops (a loop over rows by gridDim.y cost the embedding forward 0.5 us of 13), and DROP
+// (p > 0) is a template argument, so a thread with dropout carries no test of p and one without
+// draws nothing (rows on y with p tested at run time: 12.6 us; rows on x with DROP: 12.0; run 61).
+template <typename T, int V, bool DROP, typename F>
+__global__ void dropout_map_kernel(F f, T* __restrict__ out, int64_t row0, int col0, int cols, float p,
+                                   RngState rng) {
+  const int c = col0 + (blockIdx.y * blockDim.x + threadIdx.x) * V;
   if (c >= cols) return;
-  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const int64_t e = r * cols + c;
-    bool keep[V];
-    const auto in = [&] {
-      if constexpr (Locating<F>) {
-        const auto at = f.locate(r);
-        draw_keeps<V>(rng, e, p, keep);
-        return f.template fetch<V>(at, c);
-      } else {
-        const auto loaded = f.template fetch<V>(r, c);
-        draw_keeps<V>(rng, e, p, keep);
-        return loaded;
-      }
-    }();
-    float v[V];
-    f.template values<V>(in, v);
+  const int64_t r = row0 + blockIdx.x, e = r * cols + c;
+  bool keep[V];
+  auto draw = [&] {
+    if constexpr (DROP) {
+      keep_run<V>(rng, e, p, keep);
+      record_keeps<V>(rng, e, p, keep);
+    }
+  };
+  const auto in = [&] {
+    if constexpr (Locating<F>) {
+      const auto at = f.locate(r);
+      draw();
+      return f.template fetch<V>(at, c);
+    } else {
+      const auto loaded = f.template fetch<V>(r, c);
+      draw();
+      return loaded;
+    }
+  }();
+  float v[V];
+  f.template values<V>(in, v);
+  if constexpr (DROP) {
+    const float scale = 1.f / (1.f - p);
 #pragma unroll
     for (int i = 0; i < V; ++i) v[i] = keep[i] ? v[i] * scale : 0.f;
-    f.template finish<V>(in, v);
-    store<T, V>(out + e, v);
   }
+  f.template finish<V>(in, v);
+  store<T, V>(out + e, v);
 }
 
 // V = 16-byte vectors when `vectorizable` (cols a multiple of them, the functor's pointers
-// aligned), else one element per access.
+// aligned), else one element per access. Rows and column blocks beyond one grid's reach (2^31 - 1
+// and 65,535) take more launches.
 template <typename T, typename F>
 void dropout_map(F f, bool vectorizable, T* out, int64_t rows, int cols, float p, RngState rng, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
   constexpr int V = kVec<T>;
-  auto launch = [&]<int N>() {
+  constexpr int64_t kMaxRows = 2147483647, kMaxColumnBlocks = 65535;
+  auto launch = [&]<int N, bool DROP>() {
     const int vectors = cols / N, threads = vectors < 256 ? (vectors + 31) / 32 * 32 : 256;
-    const dim3 grid(ceil_div(vectors, threads), unsigned(rows < 65535 ? rows : 65535));
-    dropout_map_kernel<T, N><<<grid, threads, 0, stream>>>(f, out, rows, cols, p, rng);
+    const int64_t blocks = ceil_div(vectors, threads);
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows)
+      for (int64_t b0 = 0; b0 < blocks; b0 += kMaxColumnBlocks) {
+        const dim3 grid(unsigned(rows - r0 < kMaxRows ? rows - r0 : kMaxRows),
+                        unsigned(blocks - b0 < kMaxColumnBlocks ? blocks - b0 : kMaxColumnBlocks));
+        dropout_map_kernel<T, N, DROP><<<grid, threads, 0, stream>>>(f, out, r0, int(b0 * threads * N), cols, p, rng);
+      }
   };
-  if (vectorizable && cols % V == 0 && aligned16(out))
-    launch.template operator()<V>();
+  const bool vec = vectorizable && cols % V == 0 && aligned16(out);
+  if (vec && p > 0.f)
+    launch.template operator()<V, true>();
+  else if (vec)
+    launch.template operator()<V, false>();
+  else if (p > 0.f)
+    launch.template operator()<1, true>();
   else
-    launch.template operator()<1>();
+    launch.template operator()<1, false>();
 }
 
 }  // namespace ls
