@@ -133,3 +133,15 @@ def test_kernel_accumulates_into_a_gradient_that_holds_values(dtype, B, T, D):
     d64, _ = embedding_backward_reference(dout.double(), tokens, positions, mask, D**0.5, PAD, p, V, 0)
     dlow, _ = embedding_backward_reference(dout, tokens, positions, mask, D**0.5, PAD, p, V, 0)
     check_kernel(dw, held.double() + d64, held + dlow, "dweight accumulated")
+
+
+@pytest.mark.gpu
+def test_kernel_gradient_of_an_empty_batch_is_zero():
+    V, D = 50, 64
+    w = torch.randn(V, D, device="cuda")
+    tokens = torch.empty(0, 7, dtype=torch.long, device="cuda")
+    ext = kernel("embedding", w)
+    poison()
+    dw, _ = ext.embedding_backward(torch.randn(0, 7, D, device="cuda"), tokens, tokens, None, 1.0, PAD, 0.0, V, 0, None,
+                                   None)
+    assert torch.equal(dw, torch.zeros_like(dw))

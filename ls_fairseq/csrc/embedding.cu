@@ -459,7 +459,10 @@ void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions
 void embedding_backward(DType dt, const void* dout, const RngState* rng, const int64_t* ids, void* workspace,
                         GradOut dtable, int64_t n, int64_t rows, int dim, float scale, int padding_idx, float p,
                         cudaStream_t stream) {
-  if (n == 0) return;
+  if (n == 0) {
+    if (!dtable.accumulate) LS_DISPATCH(dt, { cudaMemsetAsync(dtable.ptr, 0, size_t(rows) * dim * sizeof(T), stream); })
+    return;
+  }
   BackwardBuffers bb(workspace, n, rows, dim, sort_temp_bytes(n, rows));
   // the flags the sort zeroes: the count of crossing runs, and the bitmap of present ids only when
   // the absent rows need zeros
