@@ -9,8 +9,8 @@ subject of the training benchmark), rotating among input sets that together
 exceed the 60 MB L2 cache; a backward's time is its own kernels', the forwards
 it differentiates run before the profiled region. Achieved
 bandwidth counts the fewest bytes the op must move (each input read once, each
-output written once; no dropout mask, which the kernels draw again in backward or store as bits) against the card's measured device-to-device copy
-bandwidth.
+output written once; no dropout mask, which the kernels draw again in backward or
+store as bits) against the card's measured device-to-device copy bandwidth.
 
   python scripts/bench_ops.py [--dtype fp16|bf16] [--dropout P] [--json FILE]
 """
