@@ -268,8 +268,9 @@ __device__ __forceinline__ void keep_run(const RngState& rng, uint64_t e, float 
 }
 
 // The keep-bits of elements e .. e + N - 1 written to rng.bits (when set) by the forward that drew
-// them (e a multiple of N). N < 8: the thread of the byte's first element writes the byte, its
-// eight bits drawn (the same call as its own keep_run, which the compiler merges).
+// them (e a multiple of N). N < 8 (fp32's 4-element vectors, the one-element path): the thread of
+// the byte's first element draws the byte's eight bits (keep8, the same pure function of the state
+// and e that its keep_run called) and writes the byte.
 template <int N>
 __device__ __forceinline__ void record_keeps(const RngState& rng, uint64_t e, float p, const bool (&keep)[N]) {
   if (!rng.bits) return;
@@ -292,8 +293,8 @@ __device__ __forceinline__ void record_keeps(const RngState& rng, uint64_t e, fl
 }
 
 // A dropout's keep-bits in a backward: read from the bits the forward stored, or drawn again
-// from the forward's state, or (`draw` false) every element kept. For N <= 8 elements in one
-// byte of the bits, a kernel may load the byte ahead (stored) and take the bits from it later
+// from the forward's state, or (`draw` false) every element kept, for N <= 8 elements in one
+// byte of the bits: a kernel may load the byte ahead (stored) and take the bits from it later
 // (from); run does both at once.
 struct Redraw {
   RngState rng;
@@ -317,18 +318,7 @@ struct Redraw {
   }
   template <int N>
   __device__ __forceinline__ void run(uint64_t e, float p, bool (&keep)[N]) const {
-    if constexpr (N > 8) {
-      static_assert(N % 8 == 0, "whole bytes of keep-bits");
-#pragma unroll
-      for (int i = 0; i < N; i += 8) {
-        bool k[8];
-        run<8>(e + i, p, k);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) keep[i + j] = k[j];
-      }
-    } else {
-      from<N>(stored<N>(e), e, p, keep);
-    }
+    from<N>(stored<N>(e), e, p, keep);
   }
 };
 
