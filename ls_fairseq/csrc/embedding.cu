@@ -77,7 +77,7 @@ struct EmbForward {
 constexpr int kChunkRows = 8;     // sorted positions per chunk: one a lane of the warp that sums them
 constexpr int kChunkWarps = 4;    // chunks a block (one column slice)
 constexpr int kRowsInFlight = 2;  // rows of a chunk a lane loads before it adds any
-constexpr int kJoinChunks = 4;    // head slots a join's lane reads at once
+constexpr int kJoinChunks = 4;    // head slots a join's lane loads at once
 constexpr int kJoinLanes = 2;     // a join's lanes, each walking every other continued chunk
 constexpr int kFinishThreads = 256;  // the finish kernel's blocks: a join's columns, or 8 zeroed rows
 constexpr int kJoinBlocks = 256;     // the finish kernel's blocks that join (each every 256th crossing run)
@@ -182,11 +182,15 @@ __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
 }
 
 // Joins the run that crosses from chunk c into chunk c + 1 and began in chunk c: chunk c's tail
-// slot, then the head slots of the chunks it continues into (those whose first id is the run's:
-// sorted ids, so a prefix of them). The block's threads form kJoinLanes lanes; a lane's threads
-// take the columns, lane l the chunks c + 1 + l, c + 1 + l + kJoinLanes, ..., kJoinChunks tested
-// and loaded at once (a frequent id's run crosses ~100 chunks: this walk is the join's critical
-// path), and lane 0 adds the tail slot and the lanes' sums in lane order: a fixed order.
+// slot, then the head slots of the m chunks it continues into (those whose first id is the run's:
+// sorted ids, so a prefix of them). m first, the block's threads each testing one chunk's first id
+// (kFinishThreads chunks a round, counted by a barrier): then the walk's loads wait on nothing
+// but their issue, where testing each chunk before loading its slot made every step of the walk
+// two dependent loads (Zipf ids: a frequent id's run crosses ~100 chunks, and this walk is the
+// join's critical path). The block's threads form kJoinLanes lanes; a lane's threads take the
+// columns, lane l the chunks c + 1 + l, c + 1 + l + kJoinLanes, ..., kJoinChunks loaded at once,
+// and lane 0 adds the tail slot and the lanes' sums in lane order: a fixed order, the same as the
+// walk's before m was counted first.
 template <typename T, int V>
 __device__ void join_run(const int* __restrict__ sorted_ids, const float* __restrict__ pieces, T* __restrict__ dtable,
                          bool accumulate, int64_t c, int64_t n, int dim, float scale) {
@@ -194,25 +198,29 @@ __device__ void join_run(const int* __restrict__ sorted_ids, const float* __rest
   __shared__ float lane_s[kJoinLanes - 1][kLaneThreads][V];
   const int lane = threadIdx.x / kLaneThreads, t = threadIdx.x % kLaneThreads;
   const int id = sorted_ids[(c + 1) * kChunkRows - 1];
+  int64_t m = 0;
+  for (;;) {
+    const int64_t cj = c + 1 + m + threadIdx.x;
+    const int k = __syncthreads_count(cj * kChunkRows < n && sorted_ids[cj * kChunkRows] == id);
+    m += k;
+    if (k < kFinishThreads) break;
+  }
   for (int col0 = 0; col0 < dim; col0 += kLaneThreads * V) {  // the same trips for every thread
     const int col = col0 + t * V;
     float acc[V] = {};
     if (col < dim)
-      for (int64_t c2 = c + 1 + lane;; c2 += kJoinLanes * kJoinChunks) {
-        bool in[kJoinChunks];
+      for (int64_t j = lane; j < m; j += kJoinLanes * kJoinChunks) {
         float v[kJoinChunks][V];
 #pragma unroll
-        for (int j = 0; j < kJoinChunks; ++j) {
-          const int64_t cj = c2 + j * kJoinLanes;
-          in[j] = cj * kChunkRows < n && sorted_ids[cj * kChunkRows] == id;
+        for (int u = 0; u < kJoinChunks; ++u) {
+          const int64_t ju = j + u * kJoinLanes;
 #pragma unroll
-          for (int i = 0; i < V; ++i) v[j][i] = in[j] ? pieces[2 * cj * dim + col + i] : 0.f;
+          for (int i = 0; i < V; ++i) v[u][i] = ju < m ? pieces[2 * (c + 1 + ju) * dim + col + i] : 0.f;
         }
 #pragma unroll
-        for (int j = 0; j < kJoinChunks; ++j)
+        for (int u = 0; u < kJoinChunks; ++u)
 #pragma unroll
-          for (int i = 0; i < V; ++i) acc[i] += v[j][i];
-        if (!in[kJoinChunks - 1]) break;
+          for (int i = 0; i < V; ++i) acc[i] += v[u][i];
       }
     if (lane > 0 && col < dim)
 #pragma unroll
