@@ -404,16 +404,20 @@ std::tuple<Tensor, Tensor, std::optional<Dropout>> softmax_forward(const Tensor&
   return {out, probs, dropout};
 }
 
-Tensor softmax_backward(const Tensor& dout, const Tensor& probs, const std::optional<Dropout>& dropout, double p) {
-  check(probs, "probs");
-  check_like(dout, probs, "dout", "probs");
-  check_shape(dout, probs.sizes(), "dout");
-  const ls::RngState* rng = redrawn(dropout, probs, p, "softmax");
-  const c10::cuda::CUDAGuard guard(probs.device());
-  const int tk = int(probs.size(-1));
-  auto ds = torch::empty_like(probs);
-  ls::softmax_backward(dtype_of(probs, "probs"), dout.data_ptr(), probs.data_ptr(), rng, ds.data_ptr(),
-                       tk ? probs.numel() / tk : 0, tk, float(p), stream());
+Tensor softmax_backward(const Tensor& dout, const Tensor& scores, const std::optional<Tensor>& key_padding_mask,
+                        bool causal, const std::optional<Dropout>& dropout, double p) {
+  check(scores, "scores");
+  TORCH_CHECK(scores.dim() == 4, "scores must be [batch, heads, tgt_len, src_len], got ", scores.sizes());
+  check_like(dout, scores, "dout", "scores");
+  check_shape(dout, scores.sizes(), "dout");
+  const int64_t B = scores.size(0), H = scores.size(1), Tq = scores.size(2), Tk = scores.size(3);
+  const Tensor kpm = key_padding_bytes(key_padding_mask, B, Tk);
+  const ls::RngState* rng = redrawn(dropout, scores, p, "softmax");
+  const c10::cuda::CUDAGuard guard(scores.device());
+  auto ds = torch::empty_like(scores);
+  ls::softmax_backward(dtype_of(scores, "scores"), dout.data_ptr(), scores.data_ptr(),
+                       key_padding_mask ? kpm.data_ptr<uint8_t>() : nullptr, causal, rng, ds.data_ptr(), int(B),
+                       int(H), int(Tq), int(Tk), float(p), stream());
   CHECK_CUDA_OK();
   return ds;
 }

@@ -94,8 +94,10 @@ inline int column_chunks(int64_t rows) {
 // softmax.cu: scores [B, heads, Tq, Tk]; key_padding [B, Tk] (nullptr: none)
 void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, bool causal, void* out, void* probs,
                      int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream);
-void softmax_backward(DType dt, const void* dout, const void* probs, const RngState* rng, void* dscores,
-                      int64_t rows, int tk, float p, cudaStream_t stream);
+// its backward from the forward's scores and masks (the probabilities computed again in fp32)
+void softmax_backward(DType dt, const void* dout, const void* scores, const uint8_t* key_padding, bool causal,
+                      const RngState* rng, void* dscores, int batch, int heads, int tq, int tk, float p,
+                      cudaStream_t stream);
 
 // qkv.cu: x [B, T, parts * d] + bias -> out [parts, B, heads, T, d_head], or with token_major
 // [parts, B, T, heads, d_head]

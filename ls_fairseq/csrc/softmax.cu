@@ -9,10 +9,16 @@
 // multiple of 8 (and the pointers allow), a lane owns 8 consecutive keys per
 // item group: 16-byte loads and stores, one Philox call per 8 keep-bits;
 // otherwise lanes interleave key by key.
-// Writes probs (backward needs them) and, with dropout, the dropped copy; the
-// keep-mask never (backward draws the keep-bits again from the forward's Philox
-// state). Backward: dp = dout * keep / (1 - p);
-// dscores = probs * (dp - sum_j dp_j * probs_j).
+// Writes probs and, with dropout, the dropped copy; the keep-mask never (backward
+// draws the keep-bits again from the forward's Philox state). Backward, from the
+// scores: dp = dout * keep / (1 - p); dscores = P * (dp - sum_j dp_j * P_j), P the
+// row's probabilities computed again in fp32 from the scores (as the forward
+// computed them, before rounding), never the stored 16-bit probs: their rounding
+// (2^-9 relative in bf16) entered the row term sum_j dp_j P_j, which cancels against
+// dp_j when the row's probabilities are near uniform, and gave the cross-attention's
+// query gradients 1.2x the error of stock fairseq's (whose softmax keeps fp32
+// probabilities for its backward) against fp64 (session 19). The same bytes: the
+// scores are read instead of the probs.
 #include "common.cuh"
 
 namespace ls {
@@ -92,16 +98,13 @@ __device__ __forceinline__ int key_of(int lane, int k) {
   return CONTIG ? lane * ITEMS + k : lane + GROUP * k;
 }
 
-// GROUP lanes per row (32 / GROUP rows per warp), ITEMS keys per lane, the row in registers.
+// The probabilities of one row in fp32, in registers: GROUP lanes a row (32 / GROUP rows a warp),
+// ITEMS keys a lane; 0 for masked keys, keys past tk, and every key of a fully masked row. Every lane
+// takes part in the shuffles, `valid` or not (an invalid lane loads nothing).
 template <typename T, int ITEMS, int GROUP, bool CONTIG>
-__global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
-                                            T* __restrict__ probs, int64_t rows, float p, RngState rng) {
-  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
-  const int lane = threadIdx.x % GROUP, tk = info.tk;
-  const bool valid = row < rows;  // every lane stays for the shuffles
-  const T* s = scores + row * tk;
-  const RowMask masked(info, valid ? row : 0);
-  float v[ITEMS], m = -INFINITY;
+__device__ __forceinline__ void row_probs(const T* __restrict__ s, const RowMask& masked, int lane, int tk, bool valid,
+                                          float (&v)[ITEMS]) {
+  float m = -INFINITY;
 #pragma unroll
   for (int k0 = 0; k0 < ITEMS; k0 += CONTIG ? 8 : 1) {
     const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
@@ -127,8 +130,21 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
     sum += v[k];
   }
   sum = group_sum<GROUP>(sum);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) v[k] *= inv;
+}
+
+template <typename T, int ITEMS, int GROUP, bool CONTIG>
+__global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
+                                            T* __restrict__ probs, int64_t rows, float p, RngState rng) {
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
+  const int lane = threadIdx.x % GROUP, tk = info.tk;
+  const bool valid = row < rows;
+  float v[ITEMS];
+  row_probs<T, ITEMS, GROUP, CONTIG>(scores + row * tk, RowMask(info, valid ? row : 0), lane, tk, valid, v);
   if (!valid) return;
-  const float inv = sum > 0.f ? 1.f / sum : 0.f, scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
 #pragma unroll
   for (int k0 = 0; k0 < ITEMS; k0 += CONTIG ? 8 : 1) {
     constexpr int N = CONTIG ? 8 : 1;
@@ -137,7 +153,7 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
     const int64_t e = row * tk + j0;
     float pr[N];
 #pragma unroll
-    for (int i = 0; i < N; ++i) pr[i] = to_f(from_f<T>(v[k0 + i] * inv));  // as stored: out drops the stored value
+    for (int i = 0; i < N; ++i) pr[i] = to_f(from_f<T>(v[k0 + i]));  // as stored: out drops the stored value
     store<T, N>(probs + e, pr);
     if (p > 0.f) {
       bool keep[N];
@@ -150,26 +166,39 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
   }
 }
 
+// A block a row (rows beyond the warp layouts, no length cap): the row's maximum and the inverse of
+// its sum of exponentials, then prob(j), each a pass over the row's scores.
+template <typename T>
+struct BlockRow {
+  const T* s;
+  RowMask masked;
+  float m, inv;
+  __device__ BlockRow(const T* __restrict__ scores, const RowInfo& info, int64_t row)
+      : s(scores + row * info.tk), masked(info, row) {
+    const int tk = info.tk;
+    m = -INFINITY;
+    for (int j = threadIdx.x; j < tk; j += blockDim.x)
+      if (!masked(j)) m = fmaxf(m, to_f(s[j]));
+    m = block_max(m);
+    float sum = 0.f;
+    if (m != -INFINITY)
+      for (int j = threadIdx.x; j < tk; j += blockDim.x)
+        if (!masked(j)) sum += expf(to_f(s[j]) - m);
+    sum = block_sum(sum);
+    inv = sum > 0.f ? 1.f / sum : 0.f;
+  }
+  __device__ float prob(int j) const { return m == -INFINITY || masked(j) ? 0.f : expf(to_f(s[j]) - m) * inv; }
+};
+
 template <typename T>
 __global__ void softmax_forward_block_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
                                              T* __restrict__ probs, float p, RngState rng) {
   const int64_t row = blockIdx.x;
   const int tk = info.tk;
-  const T* s = scores + row * tk;
-  const RowMask masked(info, row);
-  float m = -INFINITY;
-  for (int j = threadIdx.x; j < tk; j += blockDim.x)
-    if (!masked(j)) m = fmaxf(m, to_f(s[j]));
-  m = block_max(m);
-  float sum = 0.f;
-  if (m != -INFINITY)
-    for (int j = threadIdx.x; j < tk; j += blockDim.x)
-      if (!masked(j)) sum += expf(to_f(s[j]) - m);
-  sum = block_sum(sum);
-  const float inv = sum > 0.f ? 1.f / sum : 0.f, scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  const BlockRow<T> r(scores, info, row);
+  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
   for (int j = threadIdx.x; j < tk; j += blockDim.x) {
-    const float e = (m == -INFINITY || masked(j)) ? 0.f : expf(to_f(s[j]) - m);
-    const T pr = from_f<T>(e * inv);
+    const T pr = from_f<T>(r.prob(j));
     probs[row * tk + j] = pr;
     if (p > 0.f) {
       const bool keep = keep1(rng, row * tk + j, p);
@@ -178,31 +207,43 @@ __global__ void softmax_forward_block_kernel(const T* __restrict__ scores, RowIn
   }
 }
 
+// dscores_j = P_j (dp_j - sum_k dp_k P_k), dp = dout * keep / (1 - p): the softmax's Jacobian
+// diag(P) - P P^T applied to dp (the dropout's scale and mask applied first, as the forward applied
+// them last). P from the scores, in fp32 (the header says why).
 template <typename T, int ITEMS, int GROUP, bool CONTIG>
-__global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ probs, Redraw keeps,
-                                             T* __restrict__ ds, int64_t rows, int tk, float p) {
+__global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ scores, RowInfo info,
+                                             Redraw keeps, T* __restrict__ ds, int64_t rows, float p) {
   constexpr int N = CONTIG ? 8 : 1;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
-  const int lane = threadIdx.x % GROUP;
+  const int lane = threadIdx.x % GROUP, tk = info.tk;
   const bool valid = row < rows;
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
-  float dp[ITEMS], pr[ITEMS], dot = 0.f;
+  // dout's loads issued and the keep-bits drawn first, then the scores' loads (row_probs): both
+  // loads in flight together (loading dout after row_probs waited on the scores put two memory
+  // latencies in a row: 8.1 -> 10.8 us at 256 sentences x 16 heads x 32 x 32, fp16; session 19)
+  Pack<T, N> d[ITEMS / N];
+  bool keep[ITEMS];
 #pragma unroll
   for (int k0 = 0; k0 < ITEMS; k0 += N) {
     const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
     const int64_t e = row * tk + j0;
-    float d[N], q[N];
-    bool keep[N];
-    const bool in = valid && j0 < tk;
-    if (in) {
-      load<T, N>(probs + e, q);
-      load<T, N>(dout + e, d);
-      keeps.run<N>(e, p, keep);
+    bool kept[N] = {};
+    if (valid && j0 < tk) {
+      d[k0 / N] = load_pack<T, N>(dout + e);
+      keeps.run<N>(e, p, kept);
     }
 #pragma unroll
+    for (int i = 0; i < N; ++i) keep[k0 + i] = kept[i];
+  }
+  float pr[ITEMS], dp[ITEMS], dot = 0.f;
+  row_probs<T, ITEMS, GROUP, CONTIG>(scores + row * tk, RowMask(info, valid ? row : 0), lane, tk, valid, pr);
+#pragma unroll
+  for (int k0 = 0; k0 < ITEMS; k0 += N) {
+    float v[N];
+    unpack(d[k0 / N], v);
+#pragma unroll
     for (int i = 0; i < N; ++i) {
-      pr[k0 + i] = in ? q[i] : 0.f;
-      dp[k0 + i] = in && keep[i] ? d[i] * scale : 0.f;
+      dp[k0 + i] = keep[k0 + i] ? v[i] * scale : 0.f;
       dot += dp[k0 + i] * pr[k0 + i];
     }
   }
@@ -220,19 +261,21 @@ __global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T
 }
 
 template <typename T>
-__global__ void softmax_backward_block_kernel(const T* __restrict__ dout, const T* __restrict__ probs, Redraw keeps,
-                                              T* __restrict__ ds, int tk, float p) {
-  const int64_t base = int64_t(blockIdx.x) * tk;
+__global__ void softmax_backward_block_kernel(const T* __restrict__ dout, const T* __restrict__ scores, RowInfo info,
+                                              Redraw keeps, T* __restrict__ ds, float p) {
+  const int64_t row = blockIdx.x, base = row * info.tk;
+  const int tk = info.tk;
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  const BlockRow<T> r(scores, info, row);
   auto dp = [&](int j) {
     bool keep[1];
     keeps.run<1>(base + j, p, keep);
     return keep[0] ? to_f(dout[base + j]) * scale : 0.f;
   };
   float dot = 0.f;
-  for (int j = threadIdx.x; j < tk; j += blockDim.x) dot += dp(j) * to_f(probs[base + j]);
+  for (int j = threadIdx.x; j < tk; j += blockDim.x) dot += dp(j) * r.prob(j);
   dot = block_sum(dot);
-  for (int j = threadIdx.x; j < tk; j += blockDim.x) ds[base + j] = from_f<T>(to_f(probs[base + j]) * (dp(j) - dot));
+  for (int j = threadIdx.x; j < tk; j += blockDim.x) ds[base + j] = from_f<T>(r.prob(j) * (dp(j) - dot));
 }
 
 // Calls launch.template operator()<ITEMS, GROUP, CONTIG>() with the row layout for tk (a
@@ -278,20 +321,24 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
   })
 }
 
-void softmax_backward(DType dt, const void* dout, const void* probs, const RngState* rng, void* dscores,
-                      int64_t rows, int tk, float p, cudaStream_t stream) {
+void softmax_backward(DType dt, const void* dout, const void* scores, const uint8_t* key_padding, bool causal,
+                      const RngState* rng, void* dscores, int batch, int heads, int tq, int tk, float p,
+                      cudaStream_t stream) {
+  const int64_t rows = int64_t(batch) * heads * tq;
   if (rows == 0 || tk == 0) return;
+  const RowInfo info(key_padding, causal, heads, tq, tk, rows);
   const Redraw keeps = redraw(rng, p);
   LS_DISPATCH(dt, {
     const int run = 8 * sizeof(T);
-    const bool contig = tk % 8 == 0 && aligned_to(dout, run) && aligned_to(probs, run) && aligned_to(dscores, run);
+    const bool contig = tk % 8 == 0 && aligned_to(dout, run) && aligned_to(scores, run) && aligned_to(dscores, run) &&
+                        aligned_to(key_padding, 8);
     const bool warp = with_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
       softmax_backward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
-          (const T*)dout, (const T*)probs, keeps, (T*)dscores, rows, tk, p);
+          (const T*)dout, (const T*)scores, info, keeps, (T*)dscores, rows, p);
     });
     if (!warp)
-      softmax_backward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)dout, (const T*)probs, keeps,
-                                                                  (T*)dscores, tk, p);
+      softmax_backward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)dout, (const T*)scores, info, keeps,
+                                                                  (T*)dscores, p);
   })
 }
 

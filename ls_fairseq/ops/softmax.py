@@ -4,8 +4,12 @@ scores [B, heads, Tq, Tk] -> probs (fp32 math, scores' dtype out). A key j is
 masked for query i when key_padding_mask[b, j] is set, or, with ``causal``,
 when j > i + (Tk - Tq). A row whose keys are all masked gives zeros (never
 NaN). Masks are never expanded to [B, heads, Tq, Tk] in memory. With dropout,
-the kept probabilities are written beside the undropped ones backward needs
-(the kernel's keep-mask never: its backward draws the keep-bits again).
+the kept probabilities are written beside the undropped ones (the kernel's
+keep-mask never: its backward draws the keep-bits again). The backward takes the
+scores, not the stored probabilities, and computes the probabilities again in
+fp32, as stock fairseq's softmax keeps them for its backward: the 16-bit
+probabilities' rounding, in the row term sum_j dp_j P_j, gave the cross-attention's
+query gradients 1.2x stock's error against fp64 (csrc/softmax.cu's header).
 """
 import torch
 
@@ -25,19 +29,23 @@ def _masked_scores(scores, key_padding_mask, causal):
     return s.masked_fill(masked, float("-inf"))
 
 
+def _probs(scores, key_padding_mask, causal):
+    """The masked softmax in fp32 (fp64 for fp64 scores); a fully masked row all zeros."""
+    return torch.softmax(_masked_scores(scores, key_padding_mask, causal), dim=-1).nan_to_num(0.0)
+
+
 def softmax_forward_reference(scores, key_padding_mask, causal, p, mask):
-    s = _masked_scores(scores, key_padding_mask, causal)
-    probs = torch.softmax(s, dim=-1).nan_to_num(0.0).to(scores.dtype)
+    probs = _probs(scores, key_padding_mask, causal).to(scores.dtype)
     if p > 0 and mask is None:
         mask = dispatch.dropout_mask(scores.shape, p, scores.device)
     out = dispatch.apply_dropout(dispatch.upcast(probs), mask, p).to(scores.dtype) if mask is not None else probs
     return out, probs, mask
 
 
-def softmax_backward_reference(dout, probs, mask, p):
-    # with dp = dout * mask / (1 - p):  dscores = probs * (dp - sum_j(dp * probs))
+def softmax_backward_reference(dout, scores, key_padding_mask, causal, mask, p):
+    # with dp = dout * mask / (1 - p) and P the probabilities in fp32:  dscores = P * (dp - sum_j(dp * P))
     dp = dispatch.apply_dropout(dispatch.upcast(dout), mask, p)
-    pf = dispatch.upcast(probs)
+    pf = _probs(scores, key_padding_mask, causal)
     ds = pf * (dp - (dp * pf).sum(-1, keepdim=True))
     return ds.to(dout.dtype)
 
@@ -46,17 +54,18 @@ class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, key_padding_mask, causal, p, mask):
         fwd, bwd = dispatch.implementation("softmax", scores, softmax_forward_reference, softmax_backward_reference)
-        out, probs, dropout = fwd(scores.contiguous(), key_padding_mask, causal, p, mask)
-        ctx.bwd, ctx.p = bwd, p
-        dispatch.save_with_dropout(ctx, (probs,), dropout)
+        scores = scores.contiguous()
+        out, _, dropout = fwd(scores, key_padding_mask, causal, p, mask)
+        ctx.bwd, ctx.causal, ctx.p = bwd, causal, p
+        dispatch.save_with_dropout(ctx, (scores, key_padding_mask), dropout)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         if dout is None:
             return (None,) * 5
-        (probs,), dropout = dispatch.saved_with_dropout(ctx)
-        return ctx.bwd(dout.contiguous(), probs, dropout, ctx.p), None, None, None, None
+        (scores, key_padding_mask), dropout = dispatch.saved_with_dropout(ctx)
+        return ctx.bwd(dout.contiguous(), scores, key_padding_mask, ctx.causal, dropout, ctx.p), None, None, None, None
 
 
 def softmax(scores, key_padding_mask=None, causal=False, p=0.0, training=True, mask=None):
