@@ -113,7 +113,6 @@ def test_kernel_masks_where_a_mask_of_any_dtype_is_nonzero():
         assert torch.equal(ext.softmax_forward(scores, kpm, False, 0.0, None)[1], expected), value
 
 
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_backward_uses_the_probabilities_before_rounding(device):
     """The backward computes the probabilities again in fp32 from the scores. With the stored bf16

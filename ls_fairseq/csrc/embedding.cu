@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
                  tail_mask = __ballot_sync(kAll, tail);
   // an id's bit once: by the chunk where its run begins, in the first column slice. The most frequent
   // ids share the bitmap's first words, and their bits set by every column slice serialised those
-  // atomics (Zipf ids: the backward 44.0 -> 39.6 us in slice 0 alone; session 19)
+  // atomics (Zipf ids: the backward 44.0 -> 39.6 us in slice 0 alone; run 64's harness)
   if (!accumulate && ends && !head && blockIdx.y == 0) atomicOr(present + (id >> 5), 1u << (id & 31));
   if (tail && blockIdx.y == 0) starts[atomicAdd(present - 1, 1u)] = int(chunk);
   const int c = (blockIdx.y * 32 + lane) * V;
