@@ -133,7 +133,10 @@ def benches(dtype, p):
         return [rand(B, HEADS, SENT_LEN, SENT_LEN, dtype=dtype).requires_grad_(), kpm,
                 rand(B, HEADS, SENT_LEN, SENT_LEN, dtype=dtype)]
 
-    rows.append(("softmax", sm_inputs, a * 3 * s, a * 3 * s,
+    # forward: the scores read, the output and each row's fp32 log-sum-exp written; backward: dout and
+    # the scores read (the probabilities computed again from the log-sum-exp), the gradient written
+    lse_bytes = a // SENT_LEN * 4
+    rows.append(("softmax", sm_inputs, a * 2 * s + lse_bytes, a * 3 * s + lse_bytes,
                  lambda x, kpm, dy: F.dropout(torch.softmax(x.masked_fill(kpm[:, None, None, :], float("-inf")).float(), -1).type_as(x), p),
                  lambda x, kpm, dy: ops.softmax(x, kpm, False, p)))
 

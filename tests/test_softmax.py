@@ -84,16 +84,33 @@ def test_kernel_matches_reference(dtype, B, H, Tq, Tk, causal, p):
     dout = torch.randn_like(scores)
     ext = kernel("softmax", scores)
     poison()
-    out, probs, dropout = ext.softmax_forward(scores, kpm, causal, p, None)
+    out, lse, dropout = ext.softmax_forward(scores, kpm, causal, p, None)
     poison()
-    ds = ext.softmax_backward(dout, scores, kpm, causal, dropout, p)
+    ds = ext.softmax_backward(dout, scores, lse, kpm, causal, dropout, p)
     mask = drawn(dropout)  # the forward's keep-bits, which the backward drew again
-    out64, probs64, _ = softmax_forward_reference(scores.double(), kpm, causal, p, mask)
-    ds64 = softmax_backward_reference(dout.double(), scores.double(), kpm, causal, mask, p)
-    out_l, probs_l, _ = softmax_forward_reference(scores, kpm, causal, p, mask)
-    ds_l = softmax_backward_reference(dout, scores, kpm, causal, mask, p)
-    for o, ref, low, name in ((out, out64, out_l, "out"), (probs, probs64, probs_l, "probs"), (ds, ds64, ds_l, "dscores")):
+    out64, lse64, _ = softmax_forward_reference(scores.double(), kpm, causal, p, mask)
+    ds64 = softmax_backward_reference(dout.double(), scores.double(), lse64, kpm, causal, mask, p)
+    out_l, lse_l, _ = softmax_forward_reference(scores, kpm, causal, p, mask)
+    ds_l = softmax_backward_reference(dout, scores, lse_l, kpm, causal, mask, p)
+    for o, ref, low, name in ((out, out64, out_l, "out"), (lse, lse64, lse_l, "lse"), (ds, ds64, ds_l, "dscores")):
         check_kernel(o, ref, low, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Tk", [33, 32, 1030])
+def test_kernel_fully_masked_rows_are_zero_forward_and_backward(dtype, Tk):
+    """A sentence whose keys are all padding: its rows' lse is -inf, their output and gradient 0 (no
+    NaN from exp(s - lse)), on the warp layouts (interleaved and runs of 8) and the block path."""
+    scores = torch.randn(2, 3, 5, Tk, device="cuda").to(dtype)
+    kpm = torch.zeros(2, Tk, dtype=torch.bool, device="cuda")
+    kpm[1] = True
+    ext = kernel("softmax", scores)
+    out, lse, dropout = ext.softmax_forward(scores, kpm, False, 0.1, None)
+    ds = ext.softmax_backward(torch.randn_like(scores), scores, lse, kpm, False, dropout, 0.1)
+    assert (lse[1] == float("-inf")).all() and torch.isfinite(lse[0]).all()
+    assert (out[1] == 0).all() and (ds[1] == 0).all()
+    assert torch.isfinite(ds).all() and (out[0] != 0).any()
 
 
 @pytest.mark.gpu
@@ -106,11 +123,11 @@ def test_kernel_masks_where_a_mask_of_any_dtype_is_nonzero():
     pad = torch.zeros(B, T, dtype=torch.bool, device="cuda")
     pad[0, -3:] = True
     pad[2, 5] = True
-    expected = ext.softmax_forward(scores, pad, False, 0.0, None)[1]
+    expected = ext.softmax_forward(scores, pad, False, 0.0, None)[0]
     assert (expected[0, :, :, -3:] == 0).all() and (expected[2, :, :, 5] == 0).all() and (expected[1] > 0).all()
     for value in (torch.tensor(2, dtype=torch.uint8), torch.tensor(255, dtype=torch.uint8), torch.tensor(256)):
         kpm = torch.where(pad, value.cuda(), torch.zeros((), dtype=value.dtype, device="cuda"))
-        assert torch.equal(ext.softmax_forward(scores, kpm, False, 0.0, None)[1], expected), value
+        assert torch.equal(ext.softmax_forward(scores, kpm, False, 0.0, None)[0], expected), value
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -59,6 +59,14 @@ void check_mask(const std::optional<Tensor>& mask, const Tensor& like, const cha
   check_shape(*mask, like.sizes(), name);
 }
 
+// each attention row's log-sum-exp, [B, heads, Tq] fp32, as a forward wrote it for its backward
+void check_lse(const Tensor& lse, const Tensor& like, int64_t B, int64_t H, int64_t Tq) {
+  check(lse, "lse");
+  check_shape(lse, {B, H, Tq}, "lse");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, "lse must be float32, got ", lse.scalar_type());
+  TORCH_CHECK(lse.device() == like.device(), "lse must be on ", like.device(), ", got ", lse.device());
+}
+
 void check_probability(double p, const char* op) {
   TORCH_CHECK(p >= 0.0 && p < 1.0, op, ": dropout probability must be in [0, 1), got ", p);
 }
@@ -383,6 +391,8 @@ Tensor key_padding_bytes(const std::optional<Tensor>& key_padding_mask, int64_t 
   return (key_padding_mask->scalar_type() == at::kBool ? *key_padding_mask : key_padding_mask->ne(0)).view(at::kByte);
 }
 
+// (out, lse, dropout): out the probabilities, or with dropout the kept ones; lse each row's
+// log-sum-exp [B, heads, Tq] fp32, which the backward computes the probabilities again from
 std::tuple<Tensor, Tensor, std::optional<Dropout>> softmax_forward(const Tensor& scores,
                                                                   const std::optional<Tensor>& key_padding_mask,
                                                                   bool causal, double p,
@@ -394,28 +404,30 @@ std::tuple<Tensor, Tensor, std::optional<Dropout>> softmax_forward(const Tensor&
   check_probability(p, "softmax");
   check_mask(given, scores, "mask");
   const c10::cuda::CUDAGuard guard(scores.device());
-  auto probs = torch::empty_like(scores);
+  auto out = torch::empty_like(scores);
+  auto lse = torch::empty({B, H, Tq}, scores.options().dtype(at::kFloat));
   auto dropout = draw_dropout(given, p, scores);
-  auto out = p > 0.0 ? torch::empty_like(scores) : probs;
   ls::softmax_forward(dtype_of(scores, "scores"), scores.data_ptr(), key_padding_mask ? kpm.data_ptr<uint8_t>() : nullptr,
-                      causal, out.data_ptr(), probs.data_ptr(), int(B), int(H), int(Tq), int(Tk), float(p),
+                      causal, out.data_ptr(), lse.data_ptr<float>(), int(B), int(H), int(Tq), int(Tk), float(p),
                       rng_of(dropout), stream());
   CHECK_CUDA_OK();
-  return {out, probs, dropout};
+  return {out, lse, dropout};
 }
 
-Tensor softmax_backward(const Tensor& dout, const Tensor& scores, const std::optional<Tensor>& key_padding_mask,
-                        bool causal, const std::optional<Dropout>& dropout, double p) {
+Tensor softmax_backward(const Tensor& dout, const Tensor& scores, const Tensor& lse,
+                        const std::optional<Tensor>& key_padding_mask, bool causal,
+                        const std::optional<Dropout>& dropout, double p) {
   check(scores, "scores");
   TORCH_CHECK(scores.dim() == 4, "scores must be [batch, heads, tgt_len, src_len], got ", scores.sizes());
   check_like(dout, scores, "dout", "scores");
   check_shape(dout, scores.sizes(), "dout");
   const int64_t B = scores.size(0), H = scores.size(1), Tq = scores.size(2), Tk = scores.size(3);
+  check_lse(lse, scores, B, H, Tq);
   const Tensor kpm = key_padding_bytes(key_padding_mask, B, Tk);
   const ls::RngState* rng = redrawn(dropout, scores, p, "softmax");
   const c10::cuda::CUDAGuard guard(scores.device());
   auto ds = torch::empty_like(scores);
-  ls::softmax_backward(dtype_of(scores, "scores"), dout.data_ptr(), scores.data_ptr(),
+  ls::softmax_backward(dtype_of(scores, "scores"), dout.data_ptr(), scores.data_ptr(), lse.data_ptr<float>(),
                        key_padding_mask ? kpm.data_ptr<uint8_t>() : nullptr, causal, rng, ds.data_ptr(), int(B),
                        int(H), int(Tq), int(Tk), float(p), stream());
   CHECK_CUDA_OK();
@@ -478,9 +490,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(const Tensor& dout, const 
   const auto dos = head_rows(dout, q, "dout");
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), Tk = k.size(2);
   check_shape(dout, q.sizes(), "dout");
-  check(lse, "lse");
-  check_shape(lse, {B, H, Tq}, "lse");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, "lse must be float32, got ", lse.scalar_type());
+  check_lse(lse, q, B, H, Tq);
   const Tensor kpm = key_padding_bytes(key_padding_mask, B, Tk);
   const ls::RngState* rng = redrawn(dropout, {B, H, Tq, Tk}, q.device(), p, "attention");
   const c10::cuda::CUDAGuard guard(q.device());

@@ -91,12 +91,13 @@ inline int column_chunks(int64_t rows) {
 
 // layer_norm_backward's partial: 2 x column_chunks(rows) x hidden floats
 
-// softmax.cu: scores [B, heads, Tq, Tk]; key_padding [B, Tk] (nullptr: none)
-void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, bool causal, void* out, void* probs,
+// softmax.cu: scores [B, heads, Tq, Tk]; key_padding [B, Tk] (nullptr: none); lse [B, heads, Tq] fp32,
+// each row's log-sum-exp (-inf for a fully masked row), which the backward computes the
+// probabilities again from
+void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, bool causal, void* out, float* lse,
                      int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream);
-// its backward from the forward's scores and masks (the probabilities computed again in fp32)
-void softmax_backward(DType dt, const void* dout, const void* scores, const uint8_t* key_padding, bool causal,
-                      const RngState* rng, void* dscores, int batch, int heads, int tq, int tk, float p,
+void softmax_backward(DType dt, const void* dout, const void* scores, const float* lse, const uint8_t* key_padding,
+                      bool causal, const RngState* rng, void* dscores, int batch, int heads, int tq, int tk, float p,
                       cudaStream_t stream);
 
 // qkv.cu: x [B, T, parts * d] + bias -> out [parts, B, heads, T, d_head], or with token_major

@@ -9,17 +9,16 @@
 // multiple of 8 (and the pointers allow), a lane owns 8 consecutive keys per
 // item group: 16-byte loads and stores, one Philox call per 8 keep-bits;
 // otherwise lanes interleave key by key.
-// Writes probs and, with dropout, the dropped copy; the keep-mask never (backward
-// draws the keep-bits again from the forward's Philox state). Backward, from the
-// scores: dp = dout * keep / (1 - p); dscores = P * (dp - sum_j dp_j * P_j), P the
-// row's probabilities computed again in fp32 from the scores (as the forward
-// computed them, before rounding), never the stored 16-bit probs: their rounding
-// (2^-9 relative in bf16) entered the row term sum_j dp_j P_j, which cancels against
-// dp_j when the row's probabilities are near uniform, and gave the cross-attention's
-// query gradients 1.2x the error of stock fairseq's (whose softmax keeps fp32
-// probabilities for its backward) against fp64 (session 19). The same bytes: the
-// scores are read instead of the probs; the row's maximum and sum again cost the
-// backward 8.1 -> 10.4 us at 256 sentences x 16 heads x 32 x 32 (fp16, runs 61, 66).
+// Writes the output (the probabilities, or with dropout the kept ones) and each row's
+// log-sum-exp (4 bytes a row), never the keep-mask (backward draws the keep-bits again
+// from the forward's Philox state) nor, with dropout, the undropped probabilities.
+// Backward, from the scores and the log-sum-exp: dp = dout * keep / (1 - p);
+// dscores = P * (dp - sum_j dp_j * P_j), P_j = exp(s_j - lse) in fp32, never the 16-bit
+// probabilities: their rounding (2^-9 relative in bf16) entered the row term
+// sum_j dp_j P_j as one error common to the row, and gave the cross-attention's query
+// gradients 1.2x the error of stock fairseq's (whose softmax keeps fp32 probabilities
+// for its backward) against fp64 (session 19). The backward reads the scores where it
+// read the probabilities: the same bytes.
 #include "common.cuh"
 
 namespace ls {
@@ -99,21 +98,24 @@ __device__ __forceinline__ int key_of(int lane, int k) {
   return CONTIG ? lane * ITEMS + k : lane + GROUP * k;
 }
 
-// The probabilities of one row in fp32, in registers: GROUP lanes a row (32 / GROUP rows a warp),
-// ITEMS keys a lane; 0 for masked keys, keys past tk, and every key of a fully masked row. Every lane
-// takes part in the shuffles, `valid` or not (an invalid lane loads nothing).
+// The forward's row in registers: GROUP lanes a row (32 / GROUP rows a warp), ITEMS keys a lane.
+// Every lane takes part in the shuffles, `valid` or not (an invalid lane loads nothing).
 template <typename T, int ITEMS, int GROUP, bool CONTIG>
-__device__ __forceinline__ void row_probs(const T* __restrict__ s, const RowMask& masked, int lane, int tk, bool valid,
-                                          float (&v)[ITEMS]) {
-  float m = -INFINITY;
+__global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
+                                            float* __restrict__ lse, int64_t rows, float p, RngState rng) {
+  constexpr int N = CONTIG ? 8 : 1;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
+  const int lane = threadIdx.x % GROUP, tk = info.tk;
+  const bool valid = row < rows;
+  const T* s = scores + row * tk;
+  const RowMask masked(info, valid ? row : 0);
+  float v[ITEMS], m = -INFINITY;
 #pragma unroll
-  for (int k0 = 0; k0 < ITEMS; k0 += CONTIG ? 8 : 1) {
+  for (int k0 = 0; k0 < ITEMS; k0 += N) {
     const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
-    constexpr int N = CONTIG ? 8 : 1;
     float t[N];
     unsigned hidden = ~0u;
-    const bool in = valid && j0 < tk;  // CONTIG: tk % 8 == 0, so a run is all in or all out
-    if (in) {
+    if (valid && j0 < tk) {  // CONTIG: tk % 8 == 0, so a run is all in or all out
       load<T, N>(s + j0, t);
       hidden = masked.template bits<N>(j0);
     }
@@ -131,119 +133,98 @@ __device__ __forceinline__ void row_probs(const T* __restrict__ s, const RowMask
     sum += v[k];
   }
   sum = group_sum<GROUP>(sum);
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma unroll
-  for (int k = 0; k < ITEMS; ++k) v[k] *= inv;
-}
-
-template <typename T, int ITEMS, int GROUP, bool CONTIG>
-__global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
-                                            T* __restrict__ probs, int64_t rows, float p, RngState rng) {
-  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
-  const int lane = threadIdx.x % GROUP, tk = info.tk;
-  const bool valid = row < rows;
-  float v[ITEMS];
-  row_probs<T, ITEMS, GROUP, CONTIG>(scores + row * tk, RowMask(info, valid ? row : 0), lane, tk, valid, v);
   if (!valid) return;
-  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  if (lane == 0) lse[row] = m + logf(sum);  // -inf for a fully masked row
+  const float inv = sum > 0.f ? 1.f / sum : 0.f, scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
 #pragma unroll
-  for (int k0 = 0; k0 < ITEMS; k0 += CONTIG ? 8 : 1) {
-    constexpr int N = CONTIG ? 8 : 1;
+  for (int k0 = 0; k0 < ITEMS; k0 += N) {
     const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
     if (j0 >= tk) continue;
     const int64_t e = row * tk + j0;
-    float pr[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i) pr[i] = to_f(from_f<T>(v[k0 + i]));  // as stored: out drops the stored value
-    store<T, N>(probs + e, pr);
+    bool keep[N];
     if (p > 0.f) {
-      bool keep[N];
       if constexpr (CONTIG) keep_run<8>(rng, e, p, keep);
       else keep[0] = keep1(rng, e, p);
-#pragma unroll
-      for (int i = 0; i < N; ++i) pr[i] = keep[i] ? pr[i] * scale : 0.f;
-      store<T, N>(out + e, pr);
     }
+    float pr[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      pr[i] = v[k0 + i] * inv;
+      if (p > 0.f) pr[i] = keep[i] ? to_f(from_f<T>(pr[i])) * scale : 0.f;  // drops the value probs would hold
+    }
+    store<T, N>(out + e, pr);
   }
 }
 
-// A block a row (rows beyond the warp layouts, no length cap): the row's maximum and the inverse of
-// its sum of exponentials, then prob(j), each a pass over the row's scores.
+// A block a row (rows beyond the warp layouts, no length cap): its scores, masks and log-sum-exp.
 template <typename T>
 struct BlockRow {
   const T* s;
   RowMask masked;
-  float m, inv;
-  __device__ BlockRow(const T* __restrict__ scores, const RowInfo& info, int64_t row)
-      : s(scores + row * info.tk), masked(info, row) {
-    const int tk = info.tk;
-    m = -INFINITY;
-    for (int j = threadIdx.x; j < tk; j += blockDim.x)
-      if (!masked(j)) m = fmaxf(m, to_f(s[j]));
-    m = block_max(m);
-    float sum = 0.f;
-    if (m != -INFINITY)
-      for (int j = threadIdx.x; j < tk; j += blockDim.x)
-        if (!masked(j)) sum += expf(to_f(s[j]) - m);
-    sum = block_sum(sum);
-    inv = sum > 0.f ? 1.f / sum : 0.f;
-  }
-  __device__ float prob(int j) const { return m == -INFINITY || masked(j) ? 0.f : expf(to_f(s[j]) - m) * inv; }
+  float lse;
+  __device__ float prob(int j) const { return masked(j) ? 0.f : expf(to_f(s[j]) - lse); }
 };
 
 template <typename T>
 __global__ void softmax_forward_block_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
-                                             T* __restrict__ probs, float p, RngState rng) {
+                                             float* __restrict__ lse, float p, RngState rng) {
   const int64_t row = blockIdx.x;
   const int tk = info.tk;
-  const BlockRow<T> r(scores, info, row);
+  BlockRow<T> r{scores + row * tk, RowMask(info, row), 0.f};
+  float m = -INFINITY;
+  for (int j = threadIdx.x; j < tk; j += blockDim.x)
+    if (!r.masked(j)) m = fmaxf(m, to_f(r.s[j]));
+  m = block_max(m);
+  float sum = 0.f;
+  if (m != -INFINITY)
+    for (int j = threadIdx.x; j < tk; j += blockDim.x)
+      if (!r.masked(j)) sum += expf(to_f(r.s[j]) - m);
+  sum = block_sum(sum);
+  r.lse = m + logf(sum);
+  if (threadIdx.x == 0) lse[row] = r.lse;
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
   for (int j = threadIdx.x; j < tk; j += blockDim.x) {
-    const T pr = from_f<T>(r.prob(j));
-    probs[row * tk + j] = pr;
-    if (p > 0.f) {
-      const bool keep = keep1(rng, row * tk + j, p);
-      out[row * tk + j] = from_f<T>(keep ? to_f(pr) * scale : 0.f);
-    }
+    float pr = r.prob(j);
+    if (p > 0.f) pr = keep1(rng, row * tk + j, p) ? to_f(from_f<T>(pr)) * scale : 0.f;
+    out[row * tk + j] = from_f<T>(pr);
   }
 }
 
 // dscores_j = P_j (dp_j - sum_k dp_k P_k), dp = dout * keep / (1 - p): the softmax's Jacobian
 // diag(P) - P P^T applied to dp (the dropout's scale and mask applied first, as the forward applied
-// them last). P from the scores, in fp32 (the header says why).
+// them last). P = exp(s_j - lse) in fp32, from the scores and the forward's log-sum-exp (the header
+// says why not the stored probabilities).
 template <typename T, int ITEMS, int GROUP, bool CONTIG>
-__global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ scores, RowInfo info,
-                                             Redraw keeps, T* __restrict__ ds, int64_t rows, float p) {
+__global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ scores,
+                                             const float* __restrict__ lse, RowInfo info, Redraw keeps,
+                                             T* __restrict__ ds, int64_t rows, float p) {
   constexpr int N = CONTIG ? 8 : 1;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
   const int lane = threadIdx.x % GROUP, tk = info.tk;
   const bool valid = row < rows;
-  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
-  // dout's loads issued and the keep-bits drawn first, then the scores' loads (row_probs), so both
-  // are in flight together (256 sentences x 16 heads x 32 x 32, fp16: 10.8 -> 10.4 us, run 66)
-  Pack<T, N> d[ITEMS / N];
-  bool keep[ITEMS];
+  const RowMask masked(info, valid ? row : 0);
+  const float l = valid ? lse[row] : 0.f, scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  float dp[ITEMS], pr[ITEMS], dot = 0.f;
 #pragma unroll
   for (int k0 = 0; k0 < ITEMS; k0 += N) {
     const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
     const int64_t e = row * tk + j0;
-    bool kept[N] = {};
+    Pack<T, N> dk{}, sk{};
+    bool keep[N] = {};
+    unsigned hidden = ~0u;
     if (valid && j0 < tk) {
-      d[k0 / N] = load_pack<T, N>(dout + e);
-      keeps.run<N>(e, p, kept);
+      dk = load_pack<T, N>(dout + e);
+      sk = load_pack<T, N>(scores + e);
+      hidden = masked.template bits<N>(j0);
+      keeps.run<N>(e, p, keep);
     }
-#pragma unroll
-    for (int i = 0; i < N; ++i) keep[k0 + i] = kept[i];
-  }
-  float pr[ITEMS], dp[ITEMS], dot = 0.f;
-  row_probs<T, ITEMS, GROUP, CONTIG>(scores + row * tk, RowMask(info, valid ? row : 0), lane, tk, valid, pr);
-#pragma unroll
-  for (int k0 = 0; k0 < ITEMS; k0 += N) {
-    float v[N];
-    unpack(d[k0 / N], v);
+    float d[N], t[N];
+    unpack(dk, d);
+    unpack(sk, t);
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      dp[k0 + i] = keep[k0 + i] ? v[i] * scale : 0.f;
+      pr[k0 + i] = hidden >> i & 1u ? 0.f : exp_ftz(t[i] - l);
+      dp[k0 + i] = keep[i] ? d[i] * scale : 0.f;
       dot += dp[k0 + i] * pr[k0 + i];
     }
   }
@@ -261,12 +242,13 @@ __global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T
 }
 
 template <typename T>
-__global__ void softmax_backward_block_kernel(const T* __restrict__ dout, const T* __restrict__ scores, RowInfo info,
-                                              Redraw keeps, T* __restrict__ ds, float p) {
+__global__ void softmax_backward_block_kernel(const T* __restrict__ dout, const T* __restrict__ scores,
+                                              const float* __restrict__ lse, RowInfo info, Redraw keeps,
+                                              T* __restrict__ ds, float p) {
   const int64_t row = blockIdx.x, base = row * info.tk;
   const int tk = info.tk;
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
-  const BlockRow<T> r(scores, info, row);
+  const BlockRow<T> r{scores + base, RowMask(info, row), lse[row]};
   auto dp = [&](int j) {
     bool keep[1];
     keeps.run<1>(base + j, p, keep);
@@ -303,26 +285,24 @@ inline bool aligned_to(const void* p, int bytes) { return reinterpret_cast<uintp
 
 constexpr int kThreads = 128;
 
-void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, bool causal, void* out, void* probs,
+void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, bool causal, void* out, float* lse,
                      int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream) {
   const int64_t rows = int64_t(batch) * heads * tq;
   if (rows == 0 || tk == 0) return;
   const RowInfo info(key_padding, causal, heads, tq, tk, rows);
   LS_DISPATCH(dt, {
     const int run = 8 * sizeof(T);
-    const bool contig = tk % 8 == 0 && aligned_to(scores, run) && aligned_to(probs, run) &&
-                        aligned_to(key_padding, 8) && (p == 0.f || aligned_to(out, run));
+    const bool contig = tk % 8 == 0 && aligned_to(scores, run) && aligned_to(out, run) && aligned_to(key_padding, 8);
     const bool warp = with_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
       softmax_forward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
-          (const T*)scores, info, (T*)out, (T*)probs, rows, p, rng);
+          (const T*)scores, info, (T*)out, lse, rows, p, rng);
     });
-    if (!warp)
-      softmax_forward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)scores, info, (T*)out, (T*)probs, p, rng);
+    if (!warp) softmax_forward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)scores, info, (T*)out, lse, p, rng);
   })
 }
 
-void softmax_backward(DType dt, const void* dout, const void* scores, const uint8_t* key_padding, bool causal,
-                      const RngState* rng, void* dscores, int batch, int heads, int tq, int tk, float p,
+void softmax_backward(DType dt, const void* dout, const void* scores, const float* lse, const uint8_t* key_padding,
+                      bool causal, const RngState* rng, void* dscores, int batch, int heads, int tq, int tk, float p,
                       cudaStream_t stream) {
   const int64_t rows = int64_t(batch) * heads * tq;
   if (rows == 0 || tk == 0) return;
@@ -334,10 +314,10 @@ void softmax_backward(DType dt, const void* dout, const void* scores, const uint
                         aligned_to(key_padding, 8);
     const bool warp = with_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
       softmax_backward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
-          (const T*)dout, (const T*)scores, info, keeps, (T*)dscores, rows, p);
+          (const T*)dout, (const T*)scores, lse, info, keeps, (T*)dscores, rows, p);
     });
     if (!warp)
-      softmax_backward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)dout, (const T*)scores, info, keeps,
+      softmax_backward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)dout, (const T*)scores, lse, info, keeps,
                                                                   (T*)dscores, p);
   })
 }

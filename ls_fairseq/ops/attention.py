@@ -163,9 +163,9 @@ class RecomputedAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         (q, k, v, key_padding_mask), dropout = dispatch.saved_with_dropout(ctx)
         scores = torch.matmul(q, k.transpose(-1, -2))
-        dropped, _, given = ctx.fwd(scores, key_padding_mask, ctx.causal, ctx.p, _keep_mask(dropout))
+        dropped, lse, given = ctx.fwd(scores, key_padding_mask, ctx.causal, ctx.p, _keep_mask(dropout))
         dv = torch.matmul(dropped.transpose(-1, -2), dout)
-        ds = ctx.bwd(torch.matmul(dout, v.transpose(-1, -2)), scores, key_padding_mask, ctx.causal, given, ctx.p)
+        ds = ctx.bwd(torch.matmul(dout, v.transpose(-1, -2)), scores, lse, key_padding_mask, ctx.causal, given, ctx.p)
         # dk as [B, heads, Tk, d_head] rows (as ScoresFunction gives it)
         return torch.matmul(ds, k), torch.matmul(ds.transpose(-1, -2), q), dv, None, None, None
 

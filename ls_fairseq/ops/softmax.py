@@ -3,13 +3,14 @@
 scores [B, heads, Tq, Tk] -> probs (fp32 math, scores' dtype out). A key j is
 masked for query i when key_padding_mask[b, j] is set, or, with ``causal``,
 when j > i + (Tk - Tq). A row whose keys are all masked gives zeros (never
-NaN). Masks are never expanded to [B, heads, Tq, Tk] in memory. With dropout,
-the kept probabilities are written beside the undropped ones (the kernel's
-keep-mask never: its backward draws the keep-bits again). The backward takes the
-scores, not the stored probabilities, and computes the probabilities again in
-fp32, as stock fairseq's softmax keeps them for its backward: the 16-bit
-probabilities' rounding, in the row term sum_j dp_j P_j, gave the cross-attention's
-query gradients 1.2x stock's error against fp64 (csrc/softmax.cu's header).
+NaN). Masks are never expanded to [B, heads, Tq, Tk] in memory. The forward
+writes its output (with dropout, the kept probabilities alone) and each row's
+log-sum-exp [B, heads, Tq] in fp32, the kernel's keep-mask never (its backward
+draws the keep-bits again). The backward takes the scores and the log-sum-exp and
+computes the probabilities again in fp32, as stock fairseq's softmax keeps them for
+its backward: the 16-bit probabilities' rounding, in the row term sum_j dp_j P_j,
+gave the cross-attention's query gradients 1.2x stock's error against fp64
+(csrc/softmax.cu's header).
 """
 import torch
 
@@ -29,23 +30,25 @@ def _masked_scores(scores, key_padding_mask, causal):
     return s.masked_fill(masked, float("-inf"))
 
 
-def _probs(scores, key_padding_mask, causal):
-    """The masked softmax in fp32 (fp64 for fp64 scores); a fully masked row all zeros."""
-    return torch.softmax(_masked_scores(scores, key_padding_mask, causal), dim=-1).nan_to_num(0.0)
+def _probs(scores, key_padding_mask, causal, lse):
+    """exp(masked scores - lse) in fp32 (fp64 for fp64 scores); 0 where masked (a fully masked row's lse is -inf)."""
+    return torch.exp(_masked_scores(scores, key_padding_mask, causal) - lse.unsqueeze(-1)).nan_to_num(0.0)
 
 
 def softmax_forward_reference(scores, key_padding_mask, causal, p, mask):
-    probs = _probs(scores, key_padding_mask, causal).to(scores.dtype)
+    """(out, lse, mask): out the probabilities, with dropout the kept ones; lse each row's log-sum-exp."""
+    lse = torch.logsumexp(_masked_scores(scores, key_padding_mask, causal), dim=-1)
+    probs = _probs(scores, key_padding_mask, causal, lse).to(scores.dtype)
     if p > 0 and mask is None:
         mask = dispatch.dropout_mask(scores.shape, p, scores.device)
     out = dispatch.apply_dropout(dispatch.upcast(probs), mask, p).to(scores.dtype) if mask is not None else probs
-    return out, probs, mask
+    return out, lse, mask
 
 
-def softmax_backward_reference(dout, scores, key_padding_mask, causal, mask, p):
-    # with dp = dout * mask / (1 - p) and P the probabilities in fp32:  dscores = P * (dp - sum_j(dp * P))
+def softmax_backward_reference(dout, scores, lse, key_padding_mask, causal, mask, p):
+    # with dp = dout * mask / (1 - p) and P = exp(s - lse) in fp32:  dscores = P * (dp - sum_j(dp * P))
     dp = dispatch.apply_dropout(dispatch.upcast(dout), mask, p)
-    pf = _probs(scores, key_padding_mask, causal)
+    pf = _probs(scores, key_padding_mask, causal, lse)
     ds = pf * (dp - (dp * pf).sum(-1, keepdim=True))
     return ds.to(dout.dtype)
 
@@ -55,17 +58,18 @@ class SoftmaxFunction(torch.autograd.Function):
     def forward(ctx, scores, key_padding_mask, causal, p, mask):
         fwd, bwd = dispatch.implementation("softmax", scores, softmax_forward_reference, softmax_backward_reference)
         scores = scores.contiguous()
-        out, _, dropout = fwd(scores, key_padding_mask, causal, p, mask)
+        out, lse, dropout = fwd(scores, key_padding_mask, causal, p, mask)
         ctx.bwd, ctx.causal, ctx.p = bwd, causal, p
-        dispatch.save_with_dropout(ctx, (scores, key_padding_mask), dropout)
+        dispatch.save_with_dropout(ctx, (scores, lse, key_padding_mask), dropout)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         if dout is None:
             return (None,) * 5
-        (scores, key_padding_mask), dropout = dispatch.saved_with_dropout(ctx)
-        return ctx.bwd(dout.contiguous(), scores, key_padding_mask, ctx.causal, dropout, ctx.p), None, None, None, None
+        (scores, lse, key_padding_mask), dropout = dispatch.saved_with_dropout(ctx)
+        ds = ctx.bwd(dout.contiguous(), scores, lse, key_padding_mask, ctx.causal, dropout, ctx.p)
+        return ds, None, None, None, None
 
 
 def softmax(scores, key_padding_mask=None, causal=False, p=0.0, training=True, mask=None):
