@@ -134,7 +134,6 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
   }
   sum = group_sum<GROUP>(sum);
   if (!valid) return;
-  if (lane == 0) lse[row] = m + logf(sum);  // -inf for a fully masked row
   const float inv = sum > 0.f ? 1.f / sum : 0.f, scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
 #pragma unroll
   for (int k0 = 0; k0 < ITEMS; k0 += N) {
@@ -154,6 +153,9 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
     }
     store<T, N>(out + e, pr);
   }
+  // after the row's stores: __logf (the SFU's lg2), as P = exp(s - lse) needs no more than fp32's
+  // relative 2^-21 here
+  if (lane == 0) lse[row] = m + __logf(sum);  // -inf for a fully masked row
 }
 
 // A block a row (rows beyond the warp layouts, no length cap): its scores, masks and log-sum-exp.
