@@ -153,8 +153,8 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
     }
     store<T, N>(out + e, pr);
   }
-  // after the row's stores: __logf (the SFU's lg2), as P = exp(s - lse) needs no more than fp32's
-  // relative 2^-21 here
+  // after the row's stores; __logf (the SFU's lg2: within 2^-21.4 of log(sum) for sums in [0.5, 2],
+  // 3 ulp beyond), ample for P = exp(s - lse) in fp32 (run 68: 9.5 -> 9.3 us with logf before the stores)
   if (lane == 0) lse[row] = m + __logf(sum);  // -inf for a fully masked row
 }
 
