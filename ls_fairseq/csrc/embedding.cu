@@ -78,7 +78,7 @@ constexpr int kChunkRows = 8;     // sorted positions per chunk: one a lane of t
 constexpr int kChunkWarps = 4;    // chunks a block (one column slice)
 constexpr int kRowsInFlight = 2;  // rows of a chunk a lane loads before it adds any
 constexpr int kJoinChunks = 4;    // head slots a join's lane loads at once
-constexpr int kJoinLanes = 2;     // a join's lanes, each walking every other continued chunk
+constexpr int kJoinLanes = 8;     // a join's lanes, each walking every 8th continued chunk
 constexpr int kFinishThreads = 256;  // the finish kernel's blocks: a join's columns, or 8 zeroed rows
 constexpr int kJoinBlocks = 256;     // the finish kernel's blocks that join (each every 256th crossing run)
 constexpr int kChunkBlocksPerSM = 8;  // 32 warps an SM: at most 64 registers (84 unbounded at 4 rows in flight)
@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
 // walk's before m was counted first.
 template <typename T, int V>
 __device__ void join_run(const int* __restrict__ sorted_ids, const float* __restrict__ pieces, T* __restrict__ dtable,
-                         bool accumulate, int64_t c, int64_t n, int dim, float scale) {
+                         bool accumulate, int64_t c, int col0, int64_t n, int dim, float scale) {
   constexpr int kLaneThreads = kFinishThreads / kJoinLanes;
   __shared__ float lane_s[kJoinLanes - 1][kLaneThreads][V];
   const int lane = threadIdx.x / kLaneThreads, t = threadIdx.x % kLaneThreads;
@@ -207,44 +207,42 @@ __device__ void join_run(const int* __restrict__ sorted_ids, const float* __rest
     m += k;
     if (k < kFinishThreads) break;
   }
-  for (int col0 = 0; col0 < dim; col0 += kLaneThreads * V) {  // the same trips for every thread
-    const int col = col0 + t * V;
-    float acc[V] = {};
-    if (col < dim)
-      for (int64_t j = lane; j < m; j += kJoinLanes * kJoinChunks) {
-        float v[kJoinChunks][V];
+  const int col = col0 + t * V;
+  float acc[V] = {};
+  if (col < dim)
+    for (int64_t j = lane; j < m; j += kJoinLanes * kJoinChunks) {
+      float v[kJoinChunks][V];
 #pragma unroll
-        for (int u = 0; u < kJoinChunks; ++u) {
-          const int64_t ju = j + u * kJoinLanes;
-          if (ju < m) {
-            load<float, V>(pieces + 2 * (c + 1 + ju) * dim + col, v[u]);
-          } else {
+      for (int u = 0; u < kJoinChunks; ++u) {
+        const int64_t ju = j + u * kJoinLanes;
+        if (ju < m) {
+          load<float, V>(pieces + 2 * (c + 1 + ju) * dim + col, v[u]);
+        } else {
 #pragma unroll
-            for (int i = 0; i < V; ++i) v[u][i] = 0.f;
-          }
+          for (int i = 0; i < V; ++i) v[u][i] = 0.f;
         }
-#pragma unroll
-        for (int u = 0; u < kJoinChunks; ++u)
-#pragma unroll
-          for (int i = 0; i < V; ++i) acc[i] += v[u][i];
       }
-    if (lane > 0 && col < dim)
 #pragma unroll
-      for (int i = 0; i < V; ++i) lane_s[lane - 1][t][i] = acc[i];
-    __syncthreads();
-    if (lane == 0 && col < dim) {
-      float sum[V], old[V] = {};
-      if (accumulate) load<T, V>(dtable + int64_t(id) * dim + col, old);
+      for (int u = 0; u < kJoinChunks; ++u)
 #pragma unroll
-      for (int i = 0; i < V; ++i) sum[i] = pieces[(2 * c + 1) * dim + col + i] + acc[i];
-#pragma unroll
-      for (int l = 1; l < kJoinLanes; ++l)
-#pragma unroll
-        for (int i = 0; i < V; ++i) sum[i] += lane_s[l - 1][t][i];
-      write_row<T, V>(dtable, accumulate, id, dim, col, scale, sum, old);
+        for (int i = 0; i < V; ++i) acc[i] += v[u][i];
     }
-    __syncthreads();  // lane_s is read before the next columns' (or the next join's) sums go in
+  if (lane > 0 && col < dim)
+#pragma unroll
+    for (int i = 0; i < V; ++i) lane_s[lane - 1][t][i] = acc[i];
+  __syncthreads();
+  if (lane == 0 && col < dim) {
+    float sum[V], old[V] = {};
+    if (accumulate) load<T, V>(dtable + int64_t(id) * dim + col, old);
+#pragma unroll
+    for (int i = 0; i < V; ++i) sum[i] = pieces[(2 * c + 1) * dim + col + i] + acc[i];
+#pragma unroll
+    for (int l = 1; l < kJoinLanes; ++l)
+#pragma unroll
+      for (int i = 0; i < V; ++i) sum[i] += lane_s[l - 1][t][i];
+    write_row<T, V>(dtable, accumulate, id, dim, col, scale, sum, old);
   }
+  __syncthreads();  // lane_s is read before the next join's sums go in
 }
 
 // Without `accumulate`: zeros in table row r when its id is absent from the batch (no bit in
@@ -272,9 +270,12 @@ __global__ void __launch_bounds__(kFinishThreads, 4)
                                      T* __restrict__ dtable, bool accumulate, int join_blocks, int64_t n, int64_t rows,
                                      int dim, float scale, int padding_idx) {
   if (blockIdx.x < join_blocks) {
-    const unsigned count = present[-1];
-    for (unsigned i = blockIdx.x; i < count; i += join_blocks)
-      join_run<T, V>(sorted_ids, pieces, dtable, accumulate, starts[i], n, dim, scale);
+    constexpr int kPartColumns = kFinishThreads / kJoinLanes * V;
+    const int parts = (dim + kPartColumns - 1) / kPartColumns;
+    const int64_t items = int64_t(present[-1]) * parts;
+    for (int64_t i = blockIdx.x; i < items; i += join_blocks)
+      join_run<T, V>(sorted_ids, pieces, dtable, accumulate, starts[i / parts], int(i % parts) * kPartColumns, n, dim,
+                     scale);
     return;
   }
   const int64_t r = ((blockIdx.x - join_blocks) * int64_t(kFinishThreads) + threadIdx.x) / 32;
@@ -287,10 +288,44 @@ __device__ __forceinline__ void zero_words(unsigned* words, int64_t count, int64
   for (int64_t w = from; w < count; w += step) words[w] = 0u;
 }
 
+// The backward's keep-bits (a byte for 8 elements of dout, as record_keeps writes them), drawn by the
+// blocks a sort kernel launches past its own: the sorts leave most SMs idle (32 and 256 blocks of 256
+// threads at 8,192 ids), and the chunk kernel, bound by each warp's chain of instructions, then loads
+// a byte a row where it drew a Philox call (20.6 -> 16.9 us, run 63). 4 bytes a thread, one store.
+struct KeepDraw {
+  RngState rng;
+  float p;
+  uint8_t* bits;  // null: nothing to draw (no dropout, or its bits given)
+  int64_t bytes;
+  int blocks;     // launched past the sort's own blocks
+  static constexpr int kBytes = 4, kMaxBlocks = 4096;
+};
+
+__device__ void draw_keep_bits(const KeepDraw& d, int block) {
+  const int64_t stride = int64_t(d.blocks) * blockDim.x * KeepDraw::kBytes;
+  for (int64_t b = (int64_t(block) * blockDim.x + threadIdx.x) * KeepDraw::kBytes; b < d.bytes; b += stride) {
+    unsigned word = 0;
+#pragma unroll
+    for (int u = 0; u < KeepDraw::kBytes; ++u) {
+      bool k[8];
+      keep8(d.rng, uint64_t(b + u), d.p, k);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) word |= unsigned(k[j]) << (8 * u + j);
+    }
+    if (b + KeepDraw::kBytes <= d.bytes) {
+      *reinterpret_cast<unsigned*>(d.bits + b) = word;
+    } else {
+      for (int u = 0; b + u < d.bytes; ++u) d.bits[b + u] = uint8_t(word >> 8 * u);
+    }
+  }
+}
+
 __global__ void sort_input_kernel(const int64_t* __restrict__ ids, int* __restrict__ keys, int* __restrict__ order,
-                                  int64_t n, unsigned* __restrict__ flags, int64_t words) {
+                                  int64_t n, unsigned* __restrict__ flags, int64_t words, KeepDraw draw) {
+  const int sort_blocks = gridDim.x - draw.blocks;
+  if (int(blockIdx.x) >= sort_blocks) return draw_keep_bits(draw, blockIdx.x - sort_blocks);
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  zero_words(flags, words, i, int64_t(gridDim.x) * blockDim.x);
+  zero_words(flags, words, i, int64_t(sort_blocks) * blockDim.x);
   if (i < n) {
     keys[i] = int(ids[i]);
     order[i] = int(i);
@@ -322,10 +357,12 @@ __device__ __forceinline__ unsigned sort_key(const int64_t* __restrict__ ids, in
 // Block s writes slice s's keys in order to sorted[s kSlice ...] (the slice's own length).
 __global__ void __launch_bounds__(kSlice)
     slice_sort_kernel(const int64_t* __restrict__ ids, unsigned* __restrict__ sorted, int n, int pos_bits,
-                      unsigned* __restrict__ flags, int64_t words) {
+                      unsigned* __restrict__ flags, int64_t words, KeepDraw draw) {
   __shared__ uint4 slice_s[kSlice / 4];
   unsigned* const keys = reinterpret_cast<unsigned*>(slice_s);
-  zero_words(flags, words, int64_t(blockIdx.x) * kSlice + threadIdx.x, int64_t(gridDim.x) * kSlice);
+  const int sort_blocks = gridDim.x - draw.blocks;
+  if (int(blockIdx.x) >= sort_blocks) return draw_keep_bits(draw, blockIdx.x - sort_blocks);
+  zero_words(flags, words, int64_t(blockIdx.x) * kSlice + threadIdx.x, int64_t(sort_blocks) * kSlice);
   const int i = blockIdx.x * kSlice + threadIdx.x;
   const unsigned mine = i < n ? sort_key(ids, i, pos_bits) : 0x7fffffffu;  // padding: above every real key
   keys[threadIdx.x] = mine;
@@ -420,6 +457,7 @@ struct BackwardBuffers {
   int* starts;
   float* pieces;
   unsigned* flags;
+  uint8_t* keep_bits;
   void* temp;
   size_t temp_bytes;
   BackwardBuffers(void* base, int64_t n, int64_t rows, int dim, size_t temp_bytes_) : temp_bytes(temp_bytes_) {
@@ -432,13 +470,16 @@ struct BackwardBuffers {
     starts = reinterpret_cast<int*>(b + 4 * slot);
     pieces = reinterpret_cast<float*>(b + 4 * slot + starts_bytes(n));
     flags = reinterpret_cast<unsigned*>(b + 4 * slot + starts_bytes(n) + pieces_bytes(n, dim));
+    keep_bits = reinterpret_cast<uint8_t*>(flags) + flags_bytes(rows);
     temp = b + bytes(n, rows, dim);
   }
+  static size_t flags_bytes(int64_t rows) { return aligned256(size_t(1 + bitmap_words(rows)) * sizeof(unsigned)); }
+  static size_t keep_bytes(int64_t n, int dim) { return size_t((n * dim + 7) / 8); }
   static size_t starts_bytes(int64_t n) { return aligned256(size_t(chunks_of(n)) * sizeof(int)); }
   static size_t pieces_bytes(int64_t n, int dim) { return aligned256(2 * size_t(chunks_of(n)) * dim * sizeof(float)); }
   static size_t bytes(int64_t n, int64_t rows, int dim) {
-    return 4 * aligned256(size_t(n) * sizeof(int)) + starts_bytes(n) + pieces_bytes(n, dim) +
-           aligned256(size_t(1 + bitmap_words(rows)) * sizeof(unsigned));
+    return 4 * aligned256(size_t(n) * sizeof(int)) + starts_bytes(n) + pieces_bytes(n, dim) + flags_bytes(rows) +
+           aligned256(keep_bytes(n, dim));
   }
 };
 
@@ -482,21 +523,34 @@ void embedding_backward(DType dt, const void* dout, const RngState* rng, const i
   // the absent rows need zeros
   unsigned* const present = bb.flags + 1;
   const int64_t words = 1 + (dtable.accumulate ? 0 : bitmap_words(rows));
+  // the keep-bits drawn beside the first sort, unless the dropout's bits are given (or stored)
+  const bool draw = rng && p > 0.f && !rng->given && !rng->bits;
+  auto keep_draw = [&](int threads) {
+    const int64_t bytes = BackwardBuffers::keep_bytes(n, dim);
+    const int blocks = draw ? int(std::min<int64_t>(ceil_div(bytes, threads * KeepDraw::kBytes), KeepDraw::kMaxBlocks)) : 0;
+    return KeepDraw{draw ? *rng : RngState{}, p, draw ? bb.keep_bits : nullptr, bytes, blocks};
+  };
   if (rank_sorts(n, rows)) {
     unsigned* const sorted = reinterpret_cast<unsigned*>(bb.keys_in);
-    slice_sort_kernel<<<ceil_div(n, kSlice), kSlice, 0, stream>>>(ids, sorted, int(n), key_bits(n + 1), bb.flags, words);
+    const KeepDraw kd = keep_draw(kSlice);
+    slice_sort_kernel<<<ceil_div(n, kSlice) + kd.blocks, kSlice, 0, stream>>>(ids, sorted, int(n), key_bits(n + 1),
+                                                                            bb.flags, words, kd);
     merge_rank_kernel<<<ceil_div(n, kMergeItems), kMergeItems * kMergeGroups, 0, stream>>>(
         ids, sorted, bb.keys_out, bb.order_out, int(n), key_bits(n + 1));
   } else {
-    sort_input_kernel<<<ceil_div(n, 256), 256, 0, stream>>>(ids, bb.keys_in, bb.order_in, n, bb.flags, words);
+    const KeepDraw kd = keep_draw(256);
+    sort_input_kernel<<<ceil_div(n, 256) + kd.blocks, 256, 0, stream>>>(ids, bb.keys_in, bb.order_in, n, bb.flags,
+                                                                       words, kd);
     cub::DeviceRadixSort::SortPairs(bb.temp, bb.temp_bytes, bb.keys_in, bb.keys_out, bb.order_in, bb.order_out, n,
                                     0, key_bits(rows), stream);
   }
+  Redraw keeps = redraw(rng, p);
+  if (draw) keeps.rng.bits = bb.keep_bits;
   LS_DISPATCH(dt, {
     auto launch = [&]<int V>() {
       const int slices = ceil_div(dim, 32 * V), chunks = int(chunks_of(n));
       embedding_backward_chunk_kernel<T, V><<<dim3(ceil_div(chunks, kChunkWarps), slices), 32 * kChunkWarps, 0, stream>>>(
-          (const T*)dout, redraw(rng, p), bb.keys_out, bb.order_out, (T*)dtable.ptr, dtable.accumulate, bb.pieces,
+          (const T*)dout, keeps, bb.keys_out, bb.order_out, (T*)dtable.ptr, dtable.accumulate, bb.pieces,
           present, bb.starts, n, dim, scale, padding_idx, p);
       const int join_blocks = chunks < kJoinBlocks ? chunks : kJoinBlocks;
       const int zero_blocks = dtable.accumulate ? 0 : ceil_div(rows * 32, kFinishThreads);
