@@ -78,7 +78,7 @@ constexpr int kChunkRows = 8;     // sorted positions per chunk: one a lane of t
 constexpr int kChunkWarps = 4;    // chunks a block (one column slice)
 constexpr int kRowsInFlight = 2;  // rows of a chunk a lane loads before it adds any
 constexpr int kJoinChunks = 4;    // head slots a join's lane loads at once
-constexpr int kJoinLanes = 8;     // a join's lanes, each walking every 8th continued chunk
+constexpr int kJoinLanes = 4;     // a join's lanes, each walking every 4th continued chunk
 constexpr int kFinishThreads = 256;  // the finish kernel's blocks: a join's columns, or 8 zeroed rows
 constexpr int kJoinBlocks = 256;     // the finish kernel's blocks that join (each every 256th crossing run)
 constexpr int kChunkBlocksPerSM = 8;  // 32 warps an SM: at most 64 registers (84 unbounded at 4 rows in flight)
@@ -109,7 +109,8 @@ __device__ __forceinline__ void write_row(T* dtable, bool accumulate, int id, in
 // then leave alone).
 template <typename T, int V>
 __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
-    embedding_backward_chunk_kernel(const T* __restrict__ dout, Redraw keeps, const int* __restrict__ sorted_ids,
+    embedding_backward_chunk_kernel(const T* __restrict__ dout, const uint8_t* __restrict__ keep_bits,
+                                    const int* __restrict__ sorted_ids,
                                     const int* __restrict__ order, T* __restrict__ dtable, bool accumulate,
                                     float* __restrict__ pieces, unsigned* __restrict__ present, int* __restrict__ starts,
                                     int64_t n, int dim, float scale, int padding_idx, float p) {
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
   float acc[V] = {};
   for (int r0 = 0; r0 < len; r0 += kRowsInFlight) {
     Pack<T, V> v[kRowsInFlight], old[kRowsInFlight];
-    bool keep[kRowsInFlight][V];
+    unsigned keep[kRowsInFlight];  // bit k: column c + k kept
 #pragma unroll
     for (int u = 0; u < kRowsInFlight; ++u) {
       const int i = (r0 + u) & 31, rid = __shfl_sync(kAll, id, i);
@@ -149,18 +150,14 @@ __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
       const bool table = accumulate && in && (ends_mask & ~head_mask & ~tail_mask) >> i & 1u;
       v[u] = in ? *reinterpret_cast<const Pack<T, V>*>(dout + r * dim + c) : Pack<T, V>{};
       old[u] = table ? *reinterpret_cast<const Pack<T, V>*>(dtable + int64_t(rid) * dim + c) : Pack<T, V>{};
-      if (in) {
-        keeps.run<V>(r * dim + c, p, keep[u]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < V; ++k) keep[u][k] = false;
-      }
+      const int64_t e = r * dim + c;  // V divides 8 and c: the V bits in one byte
+      keep[u] = !in ? 0u : keep_bits ? unsigned(keep_bits[e >> 3]) >> (e & 7) : ~0u;
     }
 #pragma unroll
     for (int u = 0; u < kRowsInFlight; ++u) {
       const int i = r0 + u;
 #pragma unroll
-      for (int k = 0; k < V; ++k) acc[k] += keep[u][k] ? to_f(v[u].v[k]) * drop : 0.f;
+      for (int k = 0; k < V; ++k) acc[k] += keep[u] >> k & 1u ? to_f(v[u].v[k]) * drop : 0.f;
       if (i < len && (ends_mask >> i & 1u)) {  // the same branch for the whole warp
         const int rid = __shfl_sync(kAll, id, i);
         if (cols) {
@@ -308,7 +305,7 @@ __device__ void draw_keep_bits(const KeepDraw& d, int block) {
 #pragma unroll
     for (int u = 0; u < KeepDraw::kBytes; ++u) {
       bool k[8];
-      keep8(d.rng, uint64_t(b + u), d.p, k);
+      keep_run<8>(d.rng, uint64_t(b + u) * 8, d.p, k);
 #pragma unroll
       for (int j = 0; j < 8; ++j) word |= unsigned(k[j]) << (8 * u + j);
     }
@@ -523,8 +520,10 @@ void embedding_backward(DType dt, const void* dout, const RngState* rng, const i
   // the absent rows need zeros
   unsigned* const present = bb.flags + 1;
   const int64_t words = 1 + (dtable.accumulate ? 0 : bitmap_words(rows));
-  // the keep-bits drawn beside the first sort, unless the dropout's bits are given (or stored)
-  const bool draw = rng && p > 0.f && !rng->given && !rng->bits;
+  // the keep-bits: those the forward stored, or drawn beside the first sort (from the forward's Philox
+  // state, or a given mask's bytes)
+  const bool draw = rng && p > 0.f && !rng->bits;
+  const uint8_t* const keep_bits = !rng || p == 0.f ? nullptr : draw ? bb.keep_bits : rng->bits;
   auto keep_draw = [&](int threads) {
     const int64_t bytes = BackwardBuffers::keep_bytes(n, dim);
     const int blocks = draw ? int(std::min<int64_t>(ceil_div(bytes, threads * KeepDraw::kBytes), KeepDraw::kMaxBlocks)) : 0;
@@ -544,13 +543,11 @@ void embedding_backward(DType dt, const void* dout, const RngState* rng, const i
     cub::DeviceRadixSort::SortPairs(bb.temp, bb.temp_bytes, bb.keys_in, bb.keys_out, bb.order_in, bb.order_out, n,
                                     0, key_bits(rows), stream);
   }
-  Redraw keeps = redraw(rng, p);
-  if (draw) keeps.rng.bits = bb.keep_bits;
   LS_DISPATCH(dt, {
     auto launch = [&]<int V>() {
       const int slices = ceil_div(dim, 32 * V), chunks = int(chunks_of(n));
       embedding_backward_chunk_kernel<T, V><<<dim3(ceil_div(chunks, kChunkWarps), slices), 32 * kChunkWarps, 0, stream>>>(
-          (const T*)dout, keeps, bb.keys_out, bb.order_out, (T*)dtable.ptr, dtable.accumulate, bb.pieces,
+          (const T*)dout, keep_bits, bb.keys_out, bb.order_out, (T*)dtable.ptr, dtable.accumulate, bb.pieces,
           present, bb.starts, n, dim, scale, padding_idx, p);
       const int join_blocks = chunks < kJoinBlocks ? chunks : kJoinBlocks;
       const int zero_blocks = dtable.accumulate ? 0 : ceil_div(rows * 32, kFinishThreads);

@@ -109,34 +109,16 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
   const bool valid = row < rows;
   const T* s = scores + row * tk;
   const RowMask masked(info, valid ? row : 0);
-  // The row's loads issued first. A lane's keep-bits for the run of N keys from j0 (bit i: key j0 + i).
-  // Where a lane holds one run (rows of up to 128 keys, CONTIG), they are drawn while its loads are
-  // in flight (Philox: ~70 instructions, a third of the thread's): drawn after the reductions, they
-  // left the scheduler idle through the loads' latency and issued all at once after it. With more
-  // runs a lane, drawing them all first interleaves their Philox calls (96 registers, not 60).
-  constexpr bool kDrawFirst = ITEMS == N;
-  auto draw = [&](int j0) {
-    bool k[N] = {};
-    if (p > 0.f && valid && j0 < tk) keep_run<N>(rng, row * tk + j0, p, k);
-    unsigned bits = 0;
-#pragma unroll
-    for (int i = 0; i < N; ++i) bits |= unsigned(k[i]) << i;
-    return bits;
-  };
   float v[ITEMS], m = -INFINITY;
-  unsigned first_keeps = 0;
 #pragma unroll
   for (int k0 = 0; k0 < ITEMS; k0 += N) {
     const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
-    Pack<T, N> pack{};
+    float t[N];
     unsigned hidden = ~0u;
     if (valid && j0 < tk) {  // CONTIG: tk % 8 == 0, so a run is all in or all out
-      pack = load_pack<T, N>(s + j0);
+      load<T, N>(s + j0, t);
       hidden = masked.template bits<N>(j0);
     }
-    if constexpr (kDrawFirst) first_keeps = draw(j0);  // between the load's issue and its use
-    float t[N];
-    unpack(pack, t);
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       v[k0 + i] = hidden >> i & 1u ? -INFINITY : t[i];
@@ -157,14 +139,19 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
   for (int k0 = 0; k0 < ITEMS; k0 += N) {
     const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
     if (j0 >= tk) continue;
-    const unsigned keeps = kDrawFirst ? first_keeps : draw(j0);
+    const int64_t e = row * tk + j0;
+    bool keep[N];
+    if (p > 0.f) {
+      if constexpr (CONTIG) keep_run<8>(rng, e, p, keep);
+      else keep[0] = keep1(rng, e, p);
+    }
     float pr[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       pr[i] = v[k0 + i] * inv;
-      if (p > 0.f) pr[i] = keeps >> i & 1u ? to_f(from_f<T>(pr[i])) * scale : 0.f;  // drops the value probs would hold
+      if (p > 0.f) pr[i] = keep[i] ? to_f(from_f<T>(pr[i])) * scale : 0.f;  // drops the value probs would hold
     }
-    store<T, N>(out + row * tk + j0, pr);
+    store<T, N>(out + e, pr);
   }
   // after the row's stores; __logf (the SFU's lg2: within 2^-21.4 of log(sum) for sums in [0.5, 2],
   // 3 ulp beyond), ample for P = exp(s - lse) in fp32 (run 68: 9.5 -> 9.3 us with logf before the stores)
