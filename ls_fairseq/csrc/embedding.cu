@@ -285,22 +285,25 @@ __device__ __forceinline__ void zero_words(unsigned* words, int64_t count, int64
   for (int64_t w = from; w < count; w += step) words[w] = 0u;
 }
 
-// The backward's keep-bits (a byte for 8 elements of dout, as record_keeps writes them), drawn by the
-// blocks a sort kernel launches past its own: the sorts leave most SMs idle (32 and 256 blocks of 256
-// threads at 8,192 ids), and the chunk kernel, bound by each warp's chain of instructions, then loads
-// a byte a row where it drew a Philox call (20.6 -> 16.9 us, run 63). 4 bytes a thread, one store.
+// The backward's keep-bits (a byte for 8 elements of dout, as record_keeps writes them), drawn by
+// blocks the sort kernels launch past their own: the sorts leave most of the GPU idle (32 and 256
+// blocks of 256 threads at 8,192 ids), and the chunk kernel, bound by each warp's chain of
+// instructions, then loads a byte a row where it drew a Philox call (its 22.3 us -> 14.1, ncu, run
+// 70). The bits of bytes [begin, end), 4 bytes a thread, one store. All drawn beside the first sort,
+// they took it from 3.5 to 9.8 us (1M Philox calls: the integer pipes' issue, ~5 us of the whole
+// GPU): the two rank sorts each draw half.
 struct KeepDraw {
   RngState rng;
   float p;
-  uint8_t* bits;  // null: nothing to draw (no dropout, or its bits given)
-  int64_t bytes;
+  uint8_t* bits;  // null: nothing to draw (no dropout, or the forward's bits stored)
+  int64_t begin, end;
   int blocks;     // launched past the sort's own blocks
   static constexpr int kBytes = 4, kMaxBlocks = 4096;
 };
 
 __device__ void draw_keep_bits(const KeepDraw& d, int block) {
   const int64_t stride = int64_t(d.blocks) * blockDim.x * KeepDraw::kBytes;
-  for (int64_t b = (int64_t(block) * blockDim.x + threadIdx.x) * KeepDraw::kBytes; b < d.bytes; b += stride) {
+  for (int64_t b = d.begin + (int64_t(block) * blockDim.x + threadIdx.x) * KeepDraw::kBytes; b < d.end; b += stride) {
     unsigned word = 0;
 #pragma unroll
     for (int u = 0; u < KeepDraw::kBytes; ++u) {
@@ -309,10 +312,10 @@ __device__ void draw_keep_bits(const KeepDraw& d, int block) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) word |= unsigned(k[j]) << (8 * u + j);
     }
-    if (b + KeepDraw::kBytes <= d.bytes) {
+    if (b + KeepDraw::kBytes <= d.end) {
       *reinterpret_cast<unsigned*>(d.bits + b) = word;
     } else {
-      for (int u = 0; b + u < d.bytes; ++u) d.bits[b + u] = uint8_t(word >> 8 * u);
+      for (int u = 0; b + u < d.end; ++u) d.bits[b + u] = uint8_t(word >> 8 * u);
     }
   }
 }
@@ -381,8 +384,10 @@ __global__ void __launch_bounds__(kSlice)
 // in order (the counts in the keys' space, once they are read).
 __global__ void __launch_bounds__(kMergeItems * kMergeGroups)
     merge_rank_kernel(const int64_t* __restrict__ ids, const unsigned* __restrict__ sorted, int* __restrict__ keys_out,
-                      int* __restrict__ order_out, int n, int pos_bits) {
+                      int* __restrict__ order_out, int n, int pos_bits, KeepDraw draw) {
   constexpr int kThreads = kMergeItems * kMergeGroups;
+  const int sort_blocks = gridDim.x - draw.blocks;
+  if (int(blockIdx.x) >= sort_blocks) return draw_keep_bits(draw, blockIdx.x - sort_blocks);
   __shared__ uint4 sorted_s[kRankSortKeys / 4];
   const int e = threadIdx.x % kMergeItems, g = threadIdx.x / kMergeItems, i = blockIdx.x * kMergeItems + e;
   const unsigned mine = i < n ? sort_key(ids, i, pos_bits) : 0u;
@@ -524,22 +529,24 @@ void embedding_backward(DType dt, const void* dout, const RngState* rng, const i
   // state, or a given mask's bytes)
   const bool draw = rng && p > 0.f && !rng->bits;
   const uint8_t* const keep_bits = !rng || p == 0.f ? nullptr : draw ? bb.keep_bits : rng->bits;
-  auto keep_draw = [&](int threads) {
-    const int64_t bytes = BackwardBuffers::keep_bytes(n, dim);
-    const int blocks = draw ? int(std::min<int64_t>(ceil_div(bytes, threads * KeepDraw::kBytes), KeepDraw::kMaxBlocks)) : 0;
-    return KeepDraw{draw ? *rng : RngState{}, p, draw ? bb.keep_bits : nullptr, bytes, blocks};
+  // bytes [begin, end) of the keep-bits, drawn by blocks of `threads`
+  auto keep_draw = [&](int64_t begin, int64_t end, int threads) {
+    const int blocks =
+        draw ? int(std::min<int64_t>(ceil_div(end - begin, threads * KeepDraw::kBytes), KeepDraw::kMaxBlocks)) : 0;
+    return KeepDraw{draw ? *rng : RngState{}, p, draw ? bb.keep_bits : nullptr, begin, end, blocks};
   };
+  const int64_t keep_bytes = BackwardBuffers::keep_bytes(n, dim), half = keep_bytes / 8 * 4;  // a word boundary
   if (rank_sorts(n, rows)) {
     unsigned* const sorted = reinterpret_cast<unsigned*>(bb.keys_in);
-    const KeepDraw kd = keep_draw(kSlice);
-    slice_sort_kernel<<<ceil_div(n, kSlice) + kd.blocks, kSlice, 0, stream>>>(ids, sorted, int(n), key_bits(n + 1),
-                                                                            bb.flags, words, kd);
-    merge_rank_kernel<<<ceil_div(n, kMergeItems), kMergeItems * kMergeGroups, 0, stream>>>(
-        ids, sorted, bb.keys_out, bb.order_out, int(n), key_bits(n + 1));
+    const KeepDraw first = keep_draw(0, half, kSlice), second = keep_draw(half, keep_bytes, kMergeItems * kMergeGroups);
+    slice_sort_kernel<<<ceil_div(n, kSlice) + first.blocks, kSlice, 0, stream>>>(ids, sorted, int(n), key_bits(n + 1),
+                                                                               bb.flags, words, first);
+    merge_rank_kernel<<<ceil_div(n, kMergeItems) + second.blocks, kMergeItems * kMergeGroups, 0, stream>>>(
+        ids, sorted, bb.keys_out, bb.order_out, int(n), key_bits(n + 1), second);
   } else {
-    const KeepDraw kd = keep_draw(256);
-    sort_input_kernel<<<ceil_div(n, 256) + kd.blocks, 256, 0, stream>>>(ids, bb.keys_in, bb.order_in, n, bb.flags,
-                                                                       words, kd);
+    const KeepDraw all = keep_draw(0, keep_bytes, 256);
+    sort_input_kernel<<<ceil_div(n, 256) + all.blocks, 256, 0, stream>>>(ids, bb.keys_in, bb.order_in, n, bb.flags,
+                                                                        words, all);
     cub::DeviceRadixSort::SortPairs(bb.temp, bb.temp_bytes, bb.keys_in, bb.keys_out, bb.order_in, bb.order_out, n,
                                     0, key_bits(rows), stream);
   }
