@@ -2,8 +2,9 @@
 // zero for padding tokens; pos_weight is the learned table or fairseq's
 // sinusoid table (ls_fairseq/ops/embedding.py passes it).
 // Fuses: lookup, scale, positional add, padding zeroing, dropout (Philox mask,
-// never stored: backward draws the keep-bits again from the forward's state):
-// LightSeq2's fused embedding layer, whose backward added half-precision atomics.
+// not stored by the forward: the backward draws the keep-bits again from the forward's state,
+// as bits, beside its sorts): LightSeq2's fused embedding layer, whose backward added
+// half-precision atomics.
 // Backward: dtable[t] = sum over tokens i with token_i = t != pad of
 // scale * dout[i] * keep / (1 - p), accumulated in fp32 without atomics, so the
 // result is deterministic: the ids are sorted beforehand (up to 12,288 ids by rank: slices
@@ -19,7 +20,8 @@
 // order. Accumulating into a gradient (ls_adam's workspace), the rows of ids absent
 // from the batch keep what they held; into a new tensor, the second kernel's other
 // blocks write zeros to those rows alone (no zero-fill of the whole table first).
-// Never written to memory: the dropout mask, fp32 copies of dout or of the table.
+// Never written to memory: the dropout mask as bytes (the backward's keep-bits are 1/16 of dout's
+// bytes in its workspace), fp32 copies of dout or of the table.
 #include <cub/device/device_radix_sort.cuh>
 
 #include "common.cuh"
@@ -71,7 +73,7 @@ struct EmbForward {
 };
 
 // A chunk's rows are summed one after another by one warp: ~300 instructions a row (a Philox
-// call among them), so at 32 rows a chunk the 1,024 warps of 8,192 ids (8 an SM) left the kernel
+// call among them, before the keep-bits were drawn beside the sorts), so at 32 rows a chunk the 1,024 warps of 8,192 ids (8 an SM) left the kernel
 // bound by the latency of each warp's instructions (ncu: 5 cycles a warp's instruction, 12%
 // occupancy, 34 us); 8 rows a chunk make four times the warps at fewer registers.
 constexpr int kChunkRows = 8;     // sorted positions per chunk: one a lane of the warp that sums them
@@ -98,7 +100,7 @@ __device__ __forceinline__ void write_row(T* dtable, bool accumulate, int id, in
 // lane's V columns a row): its lanes first load the chunk's ids and row numbers (one each), mark
 // where each run of equal ids ends, and where its sum goes. Then the warp walks the chunk's rows in
 // sorted order, kRowsInFlight at a time: all their loads (dout, and for a run that ends there the
-// table row it adds to) issued before the first add, the Philox keep-bits drawn meanwhile. A run
+// table row it adds to) issued before the first add, and each row's byte of keep-bits. A run
 // that ends inside the chunk and began in it is written to the table; the chunk's first run, when
 // the previous chunk holds its start, goes to the chunk's head slot; its last run, when the next
 // chunk continues it, to its tail slot (pieces[(2 chunk + slot) dim], fp32; the finish kernel adds
@@ -156,8 +158,10 @@ __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
 #pragma unroll
     for (int u = 0; u < kRowsInFlight; ++u) {
       const int i = r0 + u;
+      float d[V];
+      unpack(v[u], d);
 #pragma unroll
-      for (int k = 0; k < V; ++k) acc[k] += keep[u] >> k & 1u ? to_f(v[u].v[k]) * drop : 0.f;
+      for (int k = 0; k < V; ++k) acc[k] += keep[u] >> k & 1u ? d[k] * drop : 0.f;
       if (i < len && (ends_mask >> i & 1u)) {  // the same branch for the whole warp
         const int rid = __shfl_sync(kAll, id, i);
         if (cols) {
@@ -186,10 +190,12 @@ __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
 // (kFinishThreads chunks a round, counted by a barrier): then the walk's loads wait on nothing
 // but their issue, where testing each chunk before loading its slot made every step of the walk
 // two dependent loads (Zipf ids: a frequent id's run crosses ~100 chunks, and this walk is the
-// join's critical path). The block's threads form kJoinLanes lanes; a lane's threads take the
-// columns, lane l the chunks c + 1 + l, c + 1 + l + kJoinLanes, ..., kJoinChunks loaded at once,
-// and lane 0 adds the tail slot and the lanes' sums in lane order: a fixed order, the same as the
-// walk's before m was counted first.
+// join's critical path). A block joins the columns col0 .. col0 + kFinishThreads / kJoinLanes x V - 1
+// (a part: a join's parts go to different blocks, so that its walk is split kJoinLanes ways, not
+// two: Zipf ids 43.0 -> 41.3 us, run 69's harness; 8 lanes in 4 parts, 43.3). Its threads form
+// kJoinLanes lanes; a lane's threads take the columns, lane l the chunks c + 1 + l,
+// c + 1 + l + kJoinLanes, ..., kJoinChunks loaded at once, and lane 0 adds the tail slot and the
+// lanes' sums in lane order: a fixed order, the same as the walk's before m was counted first.
 template <typename T, int V>
 __device__ void join_run(const int* __restrict__ sorted_ids, const float* __restrict__ pieces, T* __restrict__ dtable,
                          bool accumulate, int64_t c, int col0, int64_t n, int dim, float scale) {
@@ -267,11 +273,12 @@ __global__ void __launch_bounds__(kFinishThreads, 4)
                                      T* __restrict__ dtable, bool accumulate, int join_blocks, int64_t n, int64_t rows,
                                      int dim, float scale, int padding_idx) {
   if (blockIdx.x < join_blocks) {
-    constexpr int kPartColumns = kFinishThreads / kJoinLanes * V;
-    const int parts = (dim + kPartColumns - 1) / kPartColumns;
-    const int64_t items = int64_t(present[-1]) * parts;
-    for (int64_t i = blockIdx.x; i < items; i += join_blocks)
-      join_run<T, V>(sorted_ids, pieces, dtable, accumulate, starts[i / parts], int(i % parts) * kPartColumns, n, dim,
+    // a join's columns in parts, each a block's: (join, part) items in 32 bits (fewer than n dim / 512:
+    // below 2^32 for any dout that fits on a GPU; 64-bit division cost the scalar path 40 bytes of spills)
+    constexpr unsigned kPartColumns = kFinishThreads / kJoinLanes * V;
+    const unsigned parts = (unsigned(dim) + kPartColumns - 1) / kPartColumns, items = present[-1] * parts;
+    for (unsigned i = blockIdx.x; i < items; i += join_blocks)
+      join_run<T, V>(sorted_ids, pieces, dtable, accumulate, starts[i / parts], int(i % parts * kPartColumns), n, dim,
                      scale);
     return;
   }
@@ -291,7 +298,7 @@ __device__ __forceinline__ void zero_words(unsigned* words, int64_t count, int64
 // instructions, then loads a byte a row where it drew a Philox call (its 22.3 us -> 14.1, ncu, run
 // 70). The bits of bytes [begin, end), 4 bytes a thread, one store. All drawn beside the first sort,
 // they took it from 3.5 to 9.8 us (1M Philox calls: the integer pipes' issue, ~5 us of the whole
-// GPU): the two rank sorts each draw half.
+// GPU): the two rank sorts share them.
 struct KeepDraw {
   RngState rng;
   float p;
@@ -535,10 +542,13 @@ void embedding_backward(DType dt, const void* dout, const RngState* rng, const i
         draw ? int(std::min<int64_t>(ceil_div(end - begin, threads * KeepDraw::kBytes), KeepDraw::kMaxBlocks)) : 0;
     return KeepDraw{draw ? *rng : RngState{}, p, draw ? bb.keep_bits : nullptr, begin, end, blocks};
   };
-  const int64_t keep_bytes = BackwardBuffers::keep_bytes(n, dim), half = keep_bytes / 8 * 4;  // a word boundary
+  // a third of the bits beside the slice sort, the rest beside the merge (run 71's harness, uniform and
+  // Zipf ids: 38.6 and 40.0 us; all beside the first sort 38.9 and 40.1, half and half 39.6 and 40.9)
+  const int64_t keep_bytes = BackwardBuffers::keep_bytes(n, dim), third = keep_bytes / 12 * 4;  // a word boundary
   if (rank_sorts(n, rows)) {
     unsigned* const sorted = reinterpret_cast<unsigned*>(bb.keys_in);
-    const KeepDraw first = keep_draw(0, half, kSlice), second = keep_draw(half, keep_bytes, kMergeItems * kMergeGroups);
+    const KeepDraw first = keep_draw(0, third, kSlice),
+                   second = keep_draw(third, keep_bytes, kMergeItems * kMergeGroups);
     slice_sort_kernel<<<ceil_div(n, kSlice) + first.blocks, kSlice, 0, stream>>>(ids, sorted, int(n), key_bits(n + 1),
                                                                                bb.flags, words, first);
     merge_rank_kernel<<<ceil_div(n, kMergeItems) + second.blocks, kMergeItems * kMergeGroups, 0, stream>>>(

@@ -134,7 +134,8 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
   }
   sum = group_sum<GROUP>(sum);
   if (!valid) return;
-  const float inv = sum > 0.f ? 1.f / sum : 0.f, scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  // __fdividef: the SFU's reciprocal (2 ulp), not IEEE division's ~10 instructions (run 71: 9.13 -> 8.94 us)
+  const float inv = sum > 0.f ? __fdividef(1.f, sum) : 0.f, scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
 #pragma unroll
   for (int k0 = 0; k0 < ITEMS; k0 += N) {
     const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
