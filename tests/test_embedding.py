@@ -106,6 +106,31 @@ def test_kernel_matches_reference(dtype, learned, B, T, D, p):
         check_kernel(o, ref, low, name)
 
 
+# a given mask: the backward's keep-bits are drawn from its bytes, the last byte's from as many as
+# there are (3 x 7 x 10 = 210 elements: two past the last full byte)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,D", [(3, 7, 10), (5, 40, 200)])
+def test_kernel_uses_the_given_mask(dtype, B, T, D):
+    V, p = 50, 0.3
+    tokens = tokens_with_padding(B, T, V, left_pad=False).cuda()
+    positions = ops.make_positions(tokens, PAD)
+    w = torch.randn(V, D, device="cuda").to(dtype)
+    dout = torch.randn(B, T, D, device="cuda").to(dtype)
+    mask = keep_mask((B, T, D), p, "cuda")
+    ext = kernel("embedding", w)
+    poison()
+    out, dropout = embedding_forward_kernel(tokens, positions, w, None, D**0.5, PAD, p, mask)
+    poison()
+    dw, _ = ext.embedding_backward(dout, tokens, positions, dropout, D**0.5, PAD, p, V, 0, None, None)
+    out64, _ = embedding_forward_reference(tokens, positions, w.double(), None, D**0.5, PAD, p, mask)
+    (dw64, _) = embedding_backward_reference(dout.double(), tokens, positions, mask, D**0.5, PAD, p, V, 0)
+    out_l, _ = embedding_forward_reference(tokens, positions, w, None, D**0.5, PAD, p, mask)
+    (dw_l, _) = embedding_backward_reference(dout, tokens, positions, mask, D**0.5, PAD, p, V, 0)
+    check_kernel(out, out64, out_l, "out")
+    check_kernel(dw, dw64, dw_l, "dweight")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 # long runs across chunks (a frequent token in every sentence), odd widths (1030: the per-element path)

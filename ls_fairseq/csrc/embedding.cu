@@ -296,34 +296,39 @@ __device__ __forceinline__ void zero_words(unsigned* words, int64_t count, int64
 // blocks the sort kernels launch past their own: the sorts leave most of the GPU idle (32 and 256
 // blocks of 256 threads at 8,192 ids), and the chunk kernel, bound by each warp's chain of
 // instructions, then loads a byte a row where it drew a Philox call (its 22.3 us -> 14.1, ncu, run
-// 70). The bits of bytes [begin, end), 4 bytes a thread, one store. All drawn beside the first sort,
-// they took it from 3.5 to 9.8 us (1M Philox calls: the integer pipes' issue, ~5 us of the whole
-// GPU): the two rank sorts share them.
+// 70). A sort kernel's extra blocks draw the bits of bytes [begin, end). All drawn beside the first
+// sort, they took it from 3.5 to 9.8 us (1M Philox calls: nearly what the chunk kernel saved); the two
+// rank sorts share them.
 struct KeepDraw {
   RngState rng;
   float p;
   uint8_t* bits;  // null: nothing to draw (no dropout, or the forward's bits stored)
-  int64_t begin, end;
-  int blocks;     // launched past the sort's own blocks
-  static constexpr int kBytes = 4, kMaxBlocks = 4096;
+  int64_t begin, end;  // bytes
+  int64_t elements;    // dout's: the last byte may hold fewer than 8
+  int blocks;          // launched past the sort's own blocks
+  static constexpr int kMaxBlocks = 16384;
 };
 
+// A byte a thread (4 a thread, one 4-byte store each: 39.0 -> 38.3 us, run 74's harness: the draw is
+// latency-bound at the sorts' occupancy, and more threads hide more of each Philox call's chain).
 __device__ void draw_keep_bits(const KeepDraw& d, int block) {
-  const int64_t stride = int64_t(d.blocks) * blockDim.x * KeepDraw::kBytes;
-  for (int64_t b = d.begin + (int64_t(block) * blockDim.x + threadIdx.x) * KeepDraw::kBytes; b < d.end; b += stride) {
-    unsigned word = 0;
-#pragma unroll
-    for (int u = 0; u < KeepDraw::kBytes; ++u) {
-      bool k[8];
-      keep_run<8>(d.rng, uint64_t(b + u) * 8, d.p, k);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) word |= unsigned(k[j]) << (8 * u + j);
+  const int64_t stride = int64_t(d.blocks) * blockDim.x;
+  for (int64_t b = d.begin + int64_t(block) * blockDim.x + threadIdx.x; b < d.end; b += stride) {
+    const int64_t e = b * 8;
+    bool k[8] = {};
+    if (e + 8 <= d.elements) {
+      keep_run<8>(d.rng, uint64_t(e), d.p, k);
+    } else {  // the last byte's elements alone (a given mask holds no more)
+      for (int j = 0; e + j < d.elements; ++j) {
+        bool kj[1];
+        keep_run<1>(d.rng, uint64_t(e + j), d.p, kj);
+        k[j] = kj[0];
+      }
     }
-    if (b + KeepDraw::kBytes <= d.end) {
-      *reinterpret_cast<unsigned*>(d.bits + b) = word;
-    } else {
-      for (int u = 0; b + u < d.end; ++u) d.bits[b + u] = uint8_t(word >> 8 * u);
-    }
+    unsigned byte = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) byte |= unsigned(k[j]) << j;
+    d.bits[b] = uint8_t(byte);
   }
 }
 
@@ -539,12 +544,13 @@ void embedding_backward(DType dt, const void* dout, const RngState* rng, const i
   // bytes [begin, end) of the keep-bits, drawn by blocks of `threads`
   auto keep_draw = [&](int64_t begin, int64_t end, int threads) {
     const int blocks =
-        draw ? int(std::min<int64_t>(ceil_div(end - begin, threads * KeepDraw::kBytes), KeepDraw::kMaxBlocks)) : 0;
-    return KeepDraw{draw ? *rng : RngState{}, p, draw ? bb.keep_bits : nullptr, begin, end, blocks};
+        draw ? int(std::min<int64_t>(ceil_div(end - begin, threads), KeepDraw::kMaxBlocks)) : 0;
+    return KeepDraw{draw ? *rng : RngState{}, p, draw ? bb.keep_bits : nullptr, begin, end, n * dim, blocks};
   };
-  // a third of the bits beside the slice sort, the rest beside the merge (run 71's harness, uniform and
-  // Zipf ids: 38.6 and 40.0 us; all beside the first sort 38.9 and 40.1, half and half 39.6 and 40.9)
-  const int64_t keep_bytes = BackwardBuffers::keep_bytes(n, dim), third = keep_bytes / 12 * 4;  // a word boundary
+  // a third of the bits beside the slice sort, the rest beside the merge (runs 71 and 74's harness, uniform
+  // and Zipf ids, 4 bytes a thread: 38.6 and 40.0 us; half and half 39.6 and 40.9; a byte a thread: a
+  // third 38.3 and 39.7, all beside the first sort 39.3 and 40.4)
+  const int64_t keep_bytes = BackwardBuffers::keep_bytes(n, dim), third = keep_bytes / 3;
   if (rank_sorts(n, rows)) {
     unsigned* const sorted = reinterpret_cast<unsigned*>(bb.keys_in);
     const KeepDraw first = keep_draw(0, third, kSlice),
