@@ -309,8 +309,9 @@ struct KeepDraw {
   static constexpr int kMaxBlocks = 16384;
 };
 
-// A byte a thread (4 a thread, one 4-byte store each: 39.0 -> 38.3 us, run 74's harness: the draw is
-// latency-bound at the sorts' occupancy, and more threads hide more of each Philox call's chain).
+// A byte a thread: the draw is latency-bound at the sorts' occupancy, and more threads hide more of
+// each Philox call's chain (run 74's harness, uniform ids: 4 bytes a thread 39.0 us, one 38.3 with
+// keep_run<8> for every byte; this form, the last byte's elements drawn one by one, 39.8 in run 75).
 __device__ void draw_keep_bits(const KeepDraw& d, int block) {
   const int64_t stride = int64_t(d.blocks) * blockDim.x;
   for (int64_t b = d.begin + int64_t(block) * blockDim.x + threadIdx.x; b < d.end; b += stride) {
@@ -548,7 +549,7 @@ void embedding_backward(DType dt, const void* dout, const RngState* rng, const i
     return KeepDraw{draw ? *rng : RngState{}, p, draw ? bb.keep_bits : nullptr, begin, end, n * dim, blocks};
   };
   // a third of the bits beside the slice sort, the rest beside the merge (runs 71 and 74's harness, uniform
-  // and Zipf ids, 4 bytes a thread: 38.6 and 40.0 us; half and half 39.6 and 40.9; a byte a thread: a
+  // and Zipf ids, 4 bytes a thread: 38.6 and 40.0 us, half and half 39.6 and 40.9; a byte a thread: a
   // third 38.3 and 39.7, all beside the first sort 39.3 and 40.4)
   const int64_t keep_bytes = BackwardBuffers::keep_bytes(n, dim), third = keep_bytes / 3;
   if (rank_sorts(n, rows)) {
