@@ -2,6 +2,7 @@
 // one csrc variant, 8192 x 1024 fp16, vocab 32000, p = 0.1, timed in CUDA graphs.
 // nvcc -std=c++20 -O3 -arch=sm_90 --expt-relaxed-constexpr -I <csrc> embx.cu -o embx
 #include <cstdio>
+#include "../graph_timing.cuh"
 #include <cmath>
 #include <vector>
 #include <algorithm>
@@ -10,24 +11,6 @@
 using namespace ls;
 using T = __half;
 constexpr int N = 8192, D = 1024, VOC = 32000, SETS = 6, PAD = 1, LEN = 64;
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
-
-static float graph_us(cudaStream_t s, const std::function<void(int)>& run) {
-  cudaGraph_t g; cudaGraphExec_t ge; cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (int it = 0; it < 60; ++it) run(it % SETS);
-  CK(cudaStreamEndCapture(s, &g)); CK(cudaGraphInstantiate(&ge, g, 0));
-  CK(cudaGraphLaunch(ge, s)); CK(cudaStreamSynchronize(s));
-  float best = 1e9;
-  for (int t = 0; t < 7; ++t) {
-    CK(cudaEventRecord(e0, s)); CK(cudaGraphLaunch(ge, s)); CK(cudaEventRecord(e1, s)); CK(cudaEventSynchronize(e1));
-    float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); best = std::min(best, ms);
-  }
-  cudaGraphExecDestroy(ge); cudaGraphDestroy(g);
-  return best * 1000 / 60;
-}
-
 int main(int argc, char** argv) {
   const char* name = argc > 1 ? argv[1] : "?";
   srand(1);
@@ -81,12 +64,12 @@ int main(int argc, char** argv) {
     CK(cudaStreamSynchronize(s));
     return 0;
   }
-  const float f_bits = graph_us(s, [&](int set) { fwd(set, true, dtok); });
-  const float f_nobits = graph_us(s, [&](int set) { fwd(set, false, dtok); });
+  const float f_bits = graph_us(s, 7, [&](int it) { const int set = it % SETS; fwd(set, true, dtok); });
+  const float f_nobits = graph_us(s, 7, [&](int it) { const int set = it % SETS; fwd(set, false, dtok); });
   // the bits of the uniform forward are in place for set 0..5; the backward reads them (any ids)
-  const float b_uni = graph_us(s, [&](int set) { bwd(set, true, dtok); });
-  const float b_uni_draw = graph_us(s, [&](int set) { bwd(set, false, dtok); });
-  const float b_zipf = graph_us(s, [&](int set) { bwd(set, true, dztok); });
+  const float b_uni = graph_us(s, 7, [&](int it) { const int set = it % SETS; bwd(set, true, dtok); });
+  const float b_uni_draw = graph_us(s, 7, [&](int it) { const int set = it % SETS; bwd(set, false, dtok); });
+  const float b_zipf = graph_us(s, 7, [&](int it) { const int set = it % SETS; bwd(set, true, dztok); });
   std::vector<__half> got(int64_t(VOC) * D);
   double sums[2];
   for (int z = 0; z < 2; ++z) {
