@@ -73,9 +73,10 @@ struct EmbForward {
 };
 
 // A chunk's rows are summed one after another by one warp: ~300 instructions a row (a Philox
-// call among them, before the keep-bits were drawn beside the sorts), so at 32 rows a chunk the 1,024 warps of 8,192 ids (8 an SM) left the kernel
-// bound by the latency of each warp's instructions (ncu: 5 cycles a warp's instruction, 12%
-// occupancy, 34 us); 8 rows a chunk make four times the warps at fewer registers.
+// call among them, before the keep-bits were drawn beside the sorts), so at 32 rows a chunk the
+// 1,024 warps of 8,192 ids (8 an SM) left the kernel bound by the latency of each warp's
+// instructions (ncu: 5 cycles a warp's instruction, 12% occupancy, 34 us); 8 rows a chunk make four
+// times the warps at fewer registers.
 constexpr int kChunkRows = 8;     // sorted positions per chunk: one a lane of the warp that sums them
 constexpr int kChunkWarps = 4;    // chunks a block (one column slice)
 constexpr int kRowsInFlight = 2;  // rows of a chunk a lane loads before it adds any

@@ -136,7 +136,8 @@ void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions
                        int padding_idx, float p, RngState rng, cudaStream_t stream);
 // ids: the n token (or position) ids, each below rows (the table's rows, fewer than 2^31);
 // workspace: embedding_backward_workspace_bytes(n, rows, dim) bytes (the sort, the chunks' head/tail sums,
-// the bitmap of present ids); dtable accumulated into, or written whole (absent ids' rows: zeros)
+// the bitmap of present ids, the dropout's keep-bits); dtable accumulated into, or written whole (absent
+// ids' rows: zeros)
 size_t embedding_backward_workspace_bytes(int64_t n, int64_t rows, int dim);
 void embedding_backward(DType dt, const void* dout, const RngState* rng, const int64_t* ids, void* workspace,
                         GradOut dtable, int64_t n, int64_t rows, int dim, float scale, int padding_idx, float p,
