@@ -290,24 +290,25 @@ __device__ __forceinline__ void keep_run(const RngState& rng, uint64_t e, float 
 // them (e a multiple of N). N < 8 (fp32's 4-element vectors, the one-element path): the thread of
 // the byte's first element draws the byte's eight bits (keep8, the same pure function of the state
 // and e that its keep_run called) and writes the byte.
+// keep[i0 .. i0 + 7] as one byte of keep-bits (bit j: element i0 + j kept)
+template <int N>
+__device__ __forceinline__ uint8_t keep_byte(const bool (&keep)[N], int i0 = 0) {
+  unsigned byte = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) byte |= unsigned(keep[i0 + j]) << j;
+  return uint8_t(byte);
+}
+
 template <int N>
 __device__ __forceinline__ void record_keeps(const RngState& rng, uint64_t e, float p, const bool (&keep)[N]) {
   if (!rng.bits) return;
   if constexpr (N >= 8) {
 #pragma unroll
-    for (int i = 0; i < N; i += 8) {
-      unsigned byte = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) byte |= unsigned(keep[i + j]) << j;
-      rng.bits[(e + i) >> 3] = uint8_t(byte);
-    }
+    for (int i = 0; i < N; i += 8) rng.bits[(e + i) >> 3] = keep_byte(keep, i);
   } else if ((e & 7) == 0) {
     bool k[8];
     keep8(rng, e >> 3, p, k);
-    unsigned byte = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) byte |= unsigned(k[j]) << j;
-    rng.bits[e >> 3] = uint8_t(byte);
+    rng.bits[e >> 3] = keep_byte(k);
   }
 }
 

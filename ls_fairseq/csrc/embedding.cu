@@ -327,10 +327,7 @@ __device__ void draw_keep_bits(const KeepDraw& d, int block) {
         k[j] = kj[0];
       }
     }
-    unsigned byte = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) byte |= unsigned(k[j]) << j;
-    d.bits[b] = uint8_t(byte);
+    d.bits[b] = keep_byte(k);
   }
 }
 
