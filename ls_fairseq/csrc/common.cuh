@@ -116,7 +116,20 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
-__device__ __forceinline__ float exp_ftz(float x) { return exp2_ftz(x * 1.4426950408889634f); }
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+__device__ __forceinline__ float exp_ftz(float x) { return exp2_ftz(x * kLog2e); }
+// 1 / x and log2(x) by the SFU, for x in the normal range (no rescaling of subnormal x; 0 gives inf
+// and -inf)
+__device__ __forceinline__ float rcp_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float log2_ftz(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // Adds 1 to *counter, returning the count before, as one release-acquire atomic at GPU scope: the
 // writes the calling thread's block made before it (ordered by a barrier) are visible to the thread
@@ -209,14 +222,24 @@ __device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
   return c;
 }
 
+// The state with (seed, offset) read from the device once (when captured in a graph): a kernel that
+// draws several times from it checks and loads them once, not at every draw.
+__device__ __forceinline__ RngState resolved(const RngState& rng) {
+  RngState r = rng;
+  if (rng.seed_ptr) r.seed = uint64_t(*rng.seed_ptr);
+  if (rng.offset_ptr) r.offset = uint64_t(*rng.offset_ptr) + rng.offset_intragraph;
+  r.seed_ptr = nullptr;
+  r.offset_ptr = nullptr;
+  return r;
+}
+
 // Four random words for elements 4g .. 4g+3 of one call's tensor: a pure function
 // of (seed, offset, element index), whatever the launch shape. (seed, offset) are
 // read from the generator's device state when the call was captured in a CUDA graph.
 __device__ __forceinline__ uint4 random4(const RngState& rng, uint64_t g) {
-  const uint64_t seed = rng.seed_ptr ? uint64_t(*rng.seed_ptr) : rng.seed;
-  const uint64_t offset = rng.offset_ptr ? uint64_t(*rng.offset_ptr) + rng.offset_intragraph : rng.offset;
-  return philox(make_uint4(unsigned(g), unsigned(g >> 32), unsigned(offset), unsigned(offset >> 32)),
-                make_uint2(unsigned(seed), unsigned(seed >> 32)));
+  const RngState r = resolved(rng);
+  return philox(make_uint4(unsigned(g), unsigned(g >> 32), unsigned(r.offset), unsigned(r.offset >> 32)),
+                make_uint2(unsigned(r.seed), unsigned(r.seed >> 32)));
 }
 
 // x rounded to T stochastically with the random word r: up (away from zero) with
@@ -254,11 +277,13 @@ __device__ __forceinline__ __half round_stochastic<__half>(float x, unsigned r) 
 __device__ __forceinline__ void keep8(const RngState& rng, uint64_t g, float p, bool (&keep)[8]) {
   const uint4 r = random4(rng, g);
   const unsigned w[4] = {r.x, r.y, r.z, r.w};
-  const unsigned threshold = unsigned(ceilf(p * 65536.f));
+  // the threshold in the upper half (below 2^16: p < 1): a half's u >= threshold is then the word,
+  // or the word shifted up, >= it (no mask or shift down a half)
+  const unsigned threshold = min(unsigned(ceilf(p * 65536.f)), 0xFFFFu) << 16;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    keep[2 * i] = (w[i] & 0xFFFFu) >= threshold;
-    keep[2 * i + 1] = (w[i] >> 16) >= threshold;
+    keep[2 * i] = w[i] << 16 >= threshold;
+    keep[2 * i + 1] = w[i] >= threshold;
   }
 }
 

@@ -311,21 +311,18 @@ struct KeepDraw {
 };
 
 // A byte a thread: the draw is latency-bound at the sorts' occupancy, and more threads hide more of
-// each Philox call's chain (run 74's harness, uniform ids: 4 bytes a thread 39.0 us, one 38.3 with
-// keep_run<8> for every byte; this form, the last byte's elements drawn one by one, 39.8 in run 75).
+// each Philox call's chain (run 74's harness, uniform ids: 4 bytes a thread 39.0 us, one 38.3). A
+// given mask is read up to its last element; drawing the last byte element by element instead (a
+// second Philox copy in the loop) took 39.8 us (run 75).
 __device__ void draw_keep_bits(const KeepDraw& d, int block) {
   const int64_t stride = int64_t(d.blocks) * blockDim.x;
   for (int64_t b = d.begin + int64_t(block) * blockDim.x + threadIdx.x; b < d.end; b += stride) {
-    const int64_t e = b * 8;
-    bool k[8] = {};
-    if (e + 8 <= d.elements) {
-      keep_run<8>(d.rng, uint64_t(e), d.p, k);
-    } else {  // the last byte's elements alone (a given mask holds no more)
-      for (int j = 0; e + j < d.elements; ++j) {
-        bool kj[1];
-        keep_run<1>(d.rng, uint64_t(e + j), d.p, kj);
-        k[j] = kj[0];
-      }
+    bool k[8];
+    if (d.rng.given) {  // a given mask's bytes, none past its last element
+#pragma unroll
+      for (int j = 0; j < 8; ++j) k[j] = b * 8 + j < d.elements && d.rng.given[b * 8 + j] != 0;
+    } else {
+      keep8(d.rng, uint64_t(b), d.p, k);
     }
     d.bits[b] = keep_byte(k);
   }

@@ -2,16 +2,19 @@
 // key-padding mask [B, Tk] and the causal mask applied on the fly (never
 // expanded in memory), fused with dropout. A fully masked row gives zeros.
 // Launch shapes are chosen per row length at compile time, as LightSeq2 does:
-// rows of up to 1024 keys are held in registers by GROUP lanes of a warp (4
-// lanes for up to 32 keys, so eight short rows share a warp; 32 lanes with
-// ITEMS = 8 .. 32 keys each for longer ones), read once and written once;
-// longer rows (no cap) take a block each and loop. When the row length is a
-// multiple of 8 (and the pointers allow), a lane owns 8 consecutive keys per
-// item group: 16-byte loads and stores, one Philox call per 8 keep-bits;
-// otherwise lanes interleave key by key.
+// rows of up to 1024 keys are held in registers by GROUP lanes of a warp (the
+// backward's 4 lanes for up to 32 keys, so eight short rows share a warp, the
+// forward's 2 with 16 keys each; 32 lanes with ITEMS = 8 .. 32 keys each for
+// longer ones), read once and written once; longer rows (no cap) take a block
+// each and loop. When the row length is a multiple of 8 (and the pointers
+// allow), a lane owns runs of 8 consecutive keys: 16-byte loads and stores, one
+// Philox call per 8 keep-bits; otherwise lanes interleave key by key.
 // Writes the output (the probabilities, or with dropout the kept ones) and each row's
 // log-sum-exp (4 bytes a row), never the keep-mask (backward draws the keep-bits again
-// from the forward's Philox state) nor, with dropout, the undropped probabilities.
+// from the forward's Philox state) nor, with dropout, the undropped probabilities. A kept
+// probability is scaled by 1 / (1 - p) in fp32 and rounded once (stock fairseq rounds
+// the probabilities to 16 bits, then scales and rounds again: an ulp apart at most, the
+// single rounding the nearer to the exact value).
 // Backward, from the scores and the log-sum-exp: dp = dout * keep / (1 - p);
 // dscores = P * (dp - sum_j dp_j * P_j), P_j = exp(s_j - lse) in fp32, never the 16-bit
 // probabilities: their rounding (2^-9 relative in bf16) entered the row term
@@ -71,8 +74,10 @@ struct RowMask {
         const uint2 w = *reinterpret_cast<const uint2*>(padding + j0);
         pad = byte_bits4(w.x) | byte_bits4(w.y) << 4;
       }
-      const int live = last - j0 + 1;  // keys j0 .. last are not after `last`
-      return pad | (live <= 0 ? 0xFFu : live >= 8 ? 0u : 0xFFu << live & 0xFFu);
+      // keys j0 .. last are not after `last`: the run's keys from `live` on are; the clamped funnel
+      // shift gives 0xFF << live for live in [0, 32], 0 beyond
+      const unsigned live = unsigned(max(last - j0 + 1, 0));
+      return pad | (__funnelshift_lc(0u, 0xFFu, live) & 0xFFu);
     }
   }
 };
@@ -92,17 +97,20 @@ __device__ __forceinline__ float group_sum(float v) {
   return v;
 }
 
-// Key of item k of a lane: CONTIG, runs of 8 consecutive keys per lane; else lanes interleave.
+// Key of item k of a lane: CONTIG, runs of 8 consecutive keys, the group's lanes side by side in
+// each run of runs (a warp's 16-byte accesses of one item group cover whole sectors); else lanes
+// interleave key by key.
 template <int ITEMS, int GROUP, bool CONTIG>
 __device__ __forceinline__ int key_of(int lane, int k) {
-  return CONTIG ? lane * ITEMS + k : lane + GROUP * k;
+  return CONTIG ? k / 8 * (GROUP * 8) + lane * 8 + k % 8 : lane + GROUP * k;
 }
 
 // The forward's row in registers: GROUP lanes a row (32 / GROUP rows a warp), ITEMS keys a lane.
 // Every lane takes part in the shuffles, `valid` or not (an invalid lane loads nothing).
 template <typename T, int ITEMS, int GROUP, bool CONTIG>
 __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
-                                            float* __restrict__ lse, int64_t rows, float p, RngState rng) {
+                                            float* __restrict__ lse, int64_t rows, float p, float scale,
+                                            RngState rng_state) {
   constexpr int N = CONTIG ? 8 : 1;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
   const int lane = threadIdx.x % GROUP, tk = info.tk;
@@ -126,6 +134,9 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
     }
   }
   m = group_max<GROUP>(m);
+  // exp(v - m), the max's own term exactly 1 (the exponent as one FFMA of a prescaled max, v log2(e)
+  // - m log2(e), leaves that term off 1 by m's rounding: a one-key row's log-sum-exp then missed m by
+  // more than 1e-5 of it where m is near 0, run 77)
   float sum = 0.f;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
@@ -134,8 +145,10 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
   }
   sum = group_sum<GROUP>(sum);
   if (!valid) return;
-  // __fdividef: the SFU's reciprocal (2 ulp), not IEEE division's ~10 instructions (run 71: 9.13 -> 8.94 us)
-  const float inv = sum > 0.f ? __fdividef(1.f, sum) : 0.f, scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  // sum >= 1 when a key is unmasked (the max's term is 1): the SFU's reciprocal, no range scaling;
+  // the dropout's scale (the host's 1 / (1 - p)) folded in, so a kept probability is rounded once
+  const float inv = sum > 0.f ? rcp_ftz(sum) * scale : 0.f;
+  const RngState rng = resolved(rng_state);  // (seed, offset) loaded once for the row's draws
 #pragma unroll
   for (int k0 = 0; k0 < ITEMS; k0 += N) {
     const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
@@ -148,15 +161,11 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
     }
     float pr[N];
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      pr[i] = v[k0 + i] * inv;
-      if (p > 0.f) pr[i] = keep[i] ? to_f(from_f<T>(pr[i])) * scale : 0.f;  // drops the value probs would hold
-    }
+    for (int i = 0; i < N; ++i) pr[i] = p > 0.f && !keep[i] ? 0.f : v[k0 + i] * inv;
     store<T, N>(out + e, pr);
   }
-  // after the row's stores; __logf (the SFU's lg2: within 2^-21.4 of log(sum) for sums in [0.5, 2],
-  // 3 ulp beyond), ample for P = exp(s - lse) in fp32 (run 68: 9.5 -> 9.3 us with logf before the stores)
-  if (lane == 0) lse[row] = m + __logf(sum);  // -inf for a fully masked row
+  // after the row's stores; the SFU's lg2 (sum >= 1 as above), ample for P = exp(s - lse) in fp32
+  if (lane == 0) lse[row] = fmaf(log2_ftz(sum), kLn2, m);  // -inf for a fully masked row
 }
 
 // A block a row (rows beyond the warp layouts, no length cap): its scores, masks and log-sum-exp.
@@ -170,7 +179,7 @@ struct BlockRow {
 
 template <typename T>
 __global__ void softmax_forward_block_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
-                                             float* __restrict__ lse, float p, RngState rng) {
+                                             float* __restrict__ lse, float p, float scale, RngState rng) {
   const int64_t row = blockIdx.x;
   const int tk = info.tk;
   BlockRow<T> r{scores + row * tk, RowMask(info, row), 0.f};
@@ -185,11 +194,9 @@ __global__ void softmax_forward_block_kernel(const T* __restrict__ scores, RowIn
   sum = block_sum(sum);
   r.lse = m + logf(sum);
   if (threadIdx.x == 0) lse[row] = r.lse;
-  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
   for (int j = threadIdx.x; j < tk; j += blockDim.x) {
-    float pr = r.prob(j);
-    if (p > 0.f) pr = keep1(rng, row * tk + j, p) ? to_f(from_f<T>(pr)) * scale : 0.f;
-    out[row * tk + j] = from_f<T>(pr);
+    const bool keep = p == 0.f || keep1(rng, row * tk + j, p);
+    out[row * tk + j] = from_f<T>(keep ? r.prob(j) * scale : 0.f);
   }
 }
 
@@ -284,6 +291,15 @@ bool with_row_layout(int tk, bool contig, L&& launch) {
   return contig ? row_layout<8, true>(tk, launch) : row_layout<4, false>(tk, launch);
 }
 
+// The forward's: CONTIG rows of up to 128 keys take 16 keys a lane, two runs of 8, so the row's fixed
+// costs (its index, masks, reductions, log-sum-exp, the generator's state) are shared by twice the
+// keys. Harness at [256, 16, 32, 32], fp16: 8.9 -> 8.5 us (run 76), 8.2 -> 8.1 with run 77's other
+// changes; 32 keys a lane, a row a thread, 10.2 (its accesses 64 bytes apart, 36% occupancy).
+template <typename L>
+bool with_forward_row_layout(int tk, bool contig, L&& launch) {
+  return contig && tk <= 128 ? row_layout<16, true>(tk, launch) : with_row_layout(tk, contig, launch);
+}
+
 inline bool aligned_to(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 constexpr int kThreads = 128;
@@ -293,14 +309,16 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
   const int64_t rows = int64_t(batch) * heads * tq;
   if (rows == 0 || tk == 0) return;
   const RowInfo info(key_padding, causal, heads, tq, tk, rows);
+  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
   LS_DISPATCH(dt, {
     const int run = 8 * sizeof(T);
     const bool contig = tk % 8 == 0 && aligned_to(scores, run) && aligned_to(out, run) && aligned_to(key_padding, 8);
-    const bool warp = with_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
+    const bool warp = with_forward_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
       softmax_forward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
-          (const T*)scores, info, (T*)out, lse, rows, p, rng);
+          (const T*)scores, info, (T*)out, lse, rows, p, scale, rng);
     });
-    if (!warp) softmax_forward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)scores, info, (T*)out, lse, p, rng);
+    if (!warp)
+      softmax_forward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)scores, info, (T*)out, lse, p, scale, rng);
   })
 }
 
