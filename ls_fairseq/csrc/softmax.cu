@@ -106,11 +106,12 @@ __device__ __forceinline__ int key_of(int lane, int k) {
 }
 
 // The forward's row in registers: GROUP lanes a row (32 / GROUP rows a warp), ITEMS keys a lane.
-// Every lane takes part in the shuffles, `valid` or not (an invalid lane loads nothing).
-template <typename T, int ITEMS, int GROUP, bool CONTIG>
+// Every lane takes part in the shuffles, `valid` or not (an invalid lane loads nothing). KEYS: the
+// Philox round keys from the host (`keys`; a launch not captured in a graph, no given mask).
+template <typename T, int ITEMS, int GROUP, bool CONTIG, bool KEYS>
 __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
                                             float* __restrict__ lse, int64_t rows, float p, float scale,
-                                            RngState rng_state) {
+                                            RngState rng_state, RoundKeys keys) {
   constexpr int N = CONTIG ? 8 : 1;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
   const int lane = threadIdx.x % GROUP, tk = info.tk;
@@ -156,8 +157,9 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
     const int64_t e = row * tk + j0;
     bool keep[N];
     if (p > 0.f) {
-      if constexpr (CONTIG) keep_run<8>(rng, e, p, keep);
-      else keep[0] = keep1(rng, e, p);
+      if constexpr (!CONTIG) keep[0] = keep1(rng, e, p);
+      else if constexpr (KEYS) keep8(rng, keys, uint64_t(e) >> 3, p, keep);
+      else keep_run<8>(rng, e, p, keep);
     }
     float pr[N];
 #pragma unroll
@@ -310,12 +312,21 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
   if (rows == 0 || tk == 0) return;
   const RowInfo info(key_padding, causal, heads, tq, tk, rows);
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  const RoundKeys keys = round_keys(rng);
   LS_DISPATCH(dt, {
     const int run = 8 * sizeof(T);
     const bool contig = tk % 8 == 0 && aligned_to(scores, run) && aligned_to(out, run) && aligned_to(key_padding, 8);
     const bool warp = with_forward_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
-      softmax_forward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
-          (const T*)scores, info, (T*)out, lse, rows, p, scale, rng);
+      const auto go = [&]<bool KEYS>() {
+        softmax_forward_warp_kernel<T, ITEMS, GROUP, CONTIG, KEYS>
+            <<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>((const T*)scores, info, (T*)out, lse, rows, p,
+                                                                       scale, rng, keys);
+      };
+      // two instances, not a branch a draw: with both draws in one kernel it took 48 registers, not 39
+      if constexpr (CONTIG) {
+        if (keys.valid) return go.template operator()<true>();
+      }
+      go.template operator()<false>();
     });
     if (!warp)
       softmax_forward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)scores, info, (T*)out, lse, p, scale, rng);
