@@ -260,13 +260,15 @@ __device__ __forceinline__ RngState resolved(const RngState& rng) {
   return r;
 }
 
-// Four random words for elements 4g .. 4g+3 of one call's tensor: a pure function
-// of (seed, offset, element index), whatever the launch shape. (seed, offset) are
-// read from the generator's device state when the call was captured in a CUDA graph.
+// Philox's counter for word group g of a call (its resolved state's offset in the upper half).
 __device__ __forceinline__ uint4 philox_counter(const RngState& resolved_rng, uint64_t g) {
   const uint64_t offset = resolved_rng.offset;
   return make_uint4(unsigned(g), unsigned(g >> 32), unsigned(offset), unsigned(offset >> 32));
 }
+
+// Four random words for elements 4g .. 4g+3 of one call's tensor: a pure function
+// of (seed, offset, element index), whatever the launch shape. (seed, offset) are
+// read from the generator's device state when the call was captured in a CUDA graph.
 __device__ __forceinline__ uint4 random4(const RngState& rng, uint64_t g) {
   const RngState r = resolved(rng);
   return philox(philox_counter(r, g), make_uint2(unsigned(r.seed), unsigned(r.seed >> 32)));
