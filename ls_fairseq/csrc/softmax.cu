@@ -137,14 +137,11 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
   m = group_max<GROUP>(m);
   // exp(v - m), the max's own term exactly 1 (the exponent as one FFMA of a prescaled max, v log2(e)
   // - m log2(e), leaves that term off 1 by m's rounding: a one-key row's log-sum-exp then missed m,
-  // its backward's P was not 1 and its dscores not 0; run 77, 3 GPU tests failed). A fully masked
-  // row (m = -inf) subtracts 0 instead: its keys' exp(-inf) is 0, where a test a key (predicated
-  // exponents, a zero moved into each) cost 16 instructions a thread of 16 keys.
-  const float shift = m == -INFINITY ? 0.f : m;
+  // its backward's P was not 1 and its dscores not 0; run 77, 3 GPU tests failed)
   float sum = 0.f;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
-    v[k] = exp_ftz(v[k] - shift);
+    v[k] = m == -INFINITY ? 0.f : exp_ftz(v[k] - m);
     sum += v[k];
   }
   sum = group_sum<GROUP>(sum);
