@@ -42,6 +42,9 @@ struct RowInfo {
 // i's bit to bit 24 + i; every other product bit lands apart from them, so no carry reaches them.
 __device__ __forceinline__ unsigned byte_bits4(unsigned w) { return (w * 0x01020408u) >> 24 & 0xFu; }
 
+// The padding bytes a row without a key-padding mask reads: none padded.
+__device__ __align__(8) const uint8_t kNoPadding[8] = {};
+
 // The masks of one row, resolved once per row: key j is masked when padded or after `last`.
 struct RowMask {
   const uint8_t* padding;
@@ -66,19 +69,21 @@ struct RowMask {
   template <int N>
   __device__ unsigned bits(int j0) const {
     static_assert(N == 1 || N == 8, "a key or a run of 8");
-    if constexpr (N == 1) {
-      return (*this)(j0) ? 1u : 0u;
-    } else {
-      unsigned pad = 0;
-      if (padding) {
-        const uint2 w = *reinterpret_cast<const uint2*>(padding + j0);
-        pad = byte_bits4(w.x) | byte_bits4(w.y) << 4;
-      }
-      // keys j0 .. last are not after `last`: the run's keys from `live` on are; the clamped funnel
-      // shift gives 0xFF << live for live in [0, 32], 0 beyond
-      const unsigned live = unsigned(max(last - j0 + 1, 0));
-      return pad | (__funnelshift_lc(0u, 0xFFu, live) & 0xFFu);
-    }
+    if constexpr (N == 1) return (*this)(j0) ? 1u : 0u;
+    else return run_bits(padding8(j0), j0);
+  }
+  // the padding bytes of keys j0 .. j0 + 7 (j0 a multiple of 8, in the row), loaded without a
+  // branch (a row without a mask reads kNoPadding), so a kernel can issue it beside its other loads
+  __device__ uint2 padding8(int j0) const {
+    return *reinterpret_cast<const uint2*>(padding ? padding + j0 : kNoPadding);
+  }
+  // keys j0 .. j0 + 7 as bits, from their padding bytes
+  __device__ unsigned run_bits(uint2 pad_bytes, int j0) const {
+    const unsigned pad = byte_bits4(pad_bytes.x) | byte_bits4(pad_bytes.y) << 4;
+    // keys j0 .. last are not after `last`: the run's keys from `live` on are; the clamped funnel
+    // shift gives 0xFF << live for live in [0, 32], 0 beyond
+    const unsigned live = unsigned(max(last - j0 + 1, 0));
+    return pad | (__funnelshift_lc(0u, 0xFFu, live) & 0xFFu);
   }
 };
 
@@ -116,18 +121,33 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
   const int lane = threadIdx.x % GROUP, tk = info.tk;
   const bool valid = row < rows;
-  const T* s = scores + row * tk;
-  const RowMask masked(info, valid ? row : 0);
+  const int64_t at = valid ? row : 0;  // an invalid lane reads row 0 (its shuffles need every lane)
+  const T* s = scores + at * tk;
+  const RowMask masked(info, at);
+  // every run's loads (scores, padding bytes) issued before any is used, none behind a branch: a
+  // lane's runs outside the row (CONTIG: tk % 8 == 0, so a run is all in or all out) load the row's
+  // first run instead. With a branch a run, each run's loads waited for the run before it to arrive
+  // (two trips to memory a thread).
+  Pack<T, N> raw[ITEMS / N];
+  uint2 pad[ITEMS / N];
+#pragma unroll
+  for (int k0 = 0; k0 < ITEMS; k0 += N) {
+    const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
+    const bool in = valid && j0 < tk;
+    raw[k0 / N] = load_pack<T, N>(s + (in ? j0 : 0));
+    if constexpr (CONTIG) pad[k0 / N] = masked.padding8(in ? j0 : 0);
+  }
   float v[ITEMS], m = -INFINITY;
 #pragma unroll
   for (int k0 = 0; k0 < ITEMS; k0 += N) {
     const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
-    float t[N];
     unsigned hidden = ~0u;
-    if (valid && j0 < tk) {  // CONTIG: tk % 8 == 0, so a run is all in or all out
-      load<T, N>(s + j0, t);
-      hidden = masked.template bits<N>(j0);
-    }
+    // (every run's bits formed, its own or all hidden: with the padding's load unused for a run
+    // outside the row, the compiler moved that load behind a branch again)
+    if constexpr (CONTIG) hidden = masked.run_bits(pad[k0 / N], j0) | (valid && j0 < tk ? 0u : ~0u);
+    else if (valid && j0 < tk) hidden = masked.template bits<1>(j0);
+    float t[N];
+    unpack(raw[k0 / N], t);
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       v[k0 + i] = hidden >> i & 1u ? -INFINITY : t[i];
