@@ -110,18 +110,21 @@ __device__ __forceinline__ int key_of(int lane, int k) {
   return CONTIG ? k / 8 * (GROUP * 8) + lane * 8 + k % 8 : lane + GROUP * k;
 }
 
-// The forward's row in registers: GROUP lanes a row (32 / GROUP rows a warp), ITEMS keys a lane.
-// Every lane takes part in the shuffles, `valid` or not (an invalid lane loads nothing). KEYS: the
-// Philox round keys from the host (`keys`; a launch not captured in a graph, no given mask).
+constexpr int kThreads = 128;
+
+// The forward's rows in registers: GROUP lanes a row (32 / GROUP rows a warp), ITEMS keys a lane.
+// Every lane takes part in the shuffles, `valid` or not (an invalid lane reads row 0). KEYS: the
+// draw from the Philox round keys of the host (`keys`), with 32-bit indices (fewer than 2^32 elements).
 template <typename T, int ITEMS, int GROUP, bool CONTIG, bool KEYS>
-__global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
-                                            float* __restrict__ lse, int64_t rows, float p, float scale,
-                                            RngState rng_state, RoundKeys keys) {
+__device__ __forceinline__ void forward_rows(const T* __restrict__ scores, const RowInfo& info, T* __restrict__ out,
+                                             float* __restrict__ lse, int64_t rows, float p, float scale,
+                                             const RngState& rng_state, const RoundKeys& keys) {
+  using Index = std::conditional_t<KEYS, uint32_t, int64_t>;
   constexpr int N = CONTIG ? 8 : 1;
-  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
+  const Index row = (Index(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
   const int lane = threadIdx.x % GROUP, tk = info.tk;
-  const bool valid = row < rows;
-  const int64_t at = valid ? row : 0;  // an invalid lane reads row 0 (its shuffles need every lane)
+  const bool valid = row < Index(rows);
+  const Index at = valid ? row : 0;  // an invalid lane reads row 0 (its shuffles need every lane)
   const T* s = scores + at * tk;
   const RowMask masked(info, at);
   // every run's loads (scores, padding bytes) issued before any is used, none behind a branch: a
@@ -174,7 +177,7 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
   for (int k0 = 0; k0 < ITEMS; k0 += N) {
     const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
     if (j0 >= tk) continue;
-    const int64_t e = row * tk + j0;
+    const Index e = row * tk + j0;
     bool keep[N];
     if (p > 0.f) {
       if constexpr (!CONTIG) keep[0] = keep1(rng, e, p);
@@ -188,6 +191,27 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
   }
   // after the row's stores; the SFU's lg2 (sum >= 1 as above), ample for P = exp(s - lse) in fp32
   if (lane == 0) lse[row] = fmaf(log2_ftz(sum), kLn2, m);  // -inf for a fully masked row
+}
+
+// keys: the Philox round keys from the host (keys.valid: a launch not captured in a graph, no given
+// mask); unused here
+template <typename T, int ITEMS, int GROUP, bool CONTIG>
+__global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
+                                            float* __restrict__ lse, int64_t rows, float p, float scale,
+                                            RngState rng_state, RoundKeys keys) {
+  forward_rows<T, ITEMS, GROUP, CONTIG, false>(scores, info, out, lse, rows, p, scale, rng_state, keys);
+}
+
+// The host-keys draw for 16-bit runs of 16 keys a lane: 48 -> 39 registers with 32-bit indices, 32
+// held to 16 blocks an SM (bench_ops' 2,048 blocks at once; harness, run 87: 7.31 -> 7.27 us fp16, 7.45
+// -> 7.34 bf16 at 32 registers). Not the graph path's instance: bounds on every layout raised the
+// others' registers (its 16-key instance 40 -> 48).
+template <typename T, int GROUP>
+__global__ void __launch_bounds__(kThreads, 16)
+    softmax_forward_keys_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
+                                float* __restrict__ lse, int64_t rows, float p, float scale, RngState rng_state,
+                                RoundKeys keys) {
+  forward_rows<T, 16, GROUP, true, true>(scores, info, out, lse, rows, p, scale, rng_state, keys);
 }
 
 // A block a row (rows beyond the warp layouts, no length cap): its scores, masks and log-sum-exp.
@@ -324,8 +348,6 @@ bool with_forward_row_layout(int tk, bool contig, L&& launch) {
 
 inline bool aligned_to(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-constexpr int kThreads = 128;
-
 void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, bool causal, void* out, float* lse,
                      int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream) {
   const int64_t rows = int64_t(batch) * heads * tq;
@@ -337,16 +359,14 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
     const int run = 8 * sizeof(T);
     const bool contig = tk % 8 == 0 && aligned_to(scores, run) && aligned_to(out, run) && aligned_to(key_padding, 8);
     const bool warp = with_forward_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
-      const auto go = [&]<bool KEYS>() {
-        softmax_forward_warp_kernel<T, ITEMS, GROUP, CONTIG, KEYS>
-            <<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>((const T*)scores, info, (T*)out, lse, rows, p,
-                                                                       scale, rng, keys);
-      };
-      // two instances, not a branch a draw: with both draws in one kernel it took 48 registers, not 39
-      if constexpr (CONTIG) {
-        if (keys.valid) return go.template operator()<true>();
+      const int blocks = ceil_div(rows * GROUP, kThreads);
+      if constexpr (CONTIG && ITEMS == 16 && sizeof(T) == 2) {
+        if (keys.valid && p > 0.f && rows * tk < (int64_t(1) << 32))
+          return softmax_forward_keys_kernel<T, GROUP><<<blocks, kThreads, 0, stream>>>(
+              (const T*)scores, info, (T*)out, lse, rows, p, scale, rng, keys);
       }
-      go.template operator()<false>();
+      softmax_forward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<blocks, kThreads, 0, stream>>>(
+          (const T*)scores, info, (T*)out, lse, rows, p, scale, rng, keys);
     });
     if (!warp)
       softmax_forward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)scores, info, (T*)out, lse, p, scale, rng);
