@@ -114,12 +114,12 @@ constexpr int kThreads = 128;
 
 // The forward's rows in registers: GROUP lanes a row (32 / GROUP rows a warp), ITEMS keys a lane.
 // Every lane takes part in the shuffles, `valid` or not (an invalid lane reads row 0). KEYS: the
-// draw from the Philox round keys of the host (`keys`), with 32-bit indices (fewer than 2^32 elements).
-template <typename T, int ITEMS, int GROUP, bool CONTIG, bool KEYS>
+// draw from the Philox round keys of the host (`keys`). Index: the rows' and elements' (uint32_t:
+// fewer than 2^32 elements).
+template <typename T, int ITEMS, int GROUP, bool CONTIG, bool KEYS, typename Index>
 __device__ __forceinline__ void forward_rows(const T* __restrict__ scores, const RowInfo& info, T* __restrict__ out,
                                              float* __restrict__ lse, int64_t rows, float p, float scale,
                                              const RngState& rng_state, const RoundKeys& keys) {
-  using Index = std::conditional_t<KEYS, uint32_t, int64_t>;
   constexpr int N = CONTIG ? 8 : 1;
   const Index row = (Index(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
   const int lane = threadIdx.x % GROUP, tk = info.tk;
@@ -199,19 +199,20 @@ template <typename T, int ITEMS, int GROUP, bool CONTIG>
 __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
                                             float* __restrict__ lse, int64_t rows, float p, float scale,
                                             RngState rng_state, RoundKeys keys) {
-  forward_rows<T, ITEMS, GROUP, CONTIG, false>(scores, info, out, lse, rows, p, scale, rng_state, keys);
+  forward_rows<T, ITEMS, GROUP, CONTIG, false, int64_t>(scores, info, out, lse, rows, p, scale, rng_state, keys);
 }
 
-// The host-keys draw for 16-bit runs of 16 keys a lane: 48 -> 39 registers with 32-bit indices, 32
-// held to 16 blocks an SM (bench_ops' 2,048 blocks at once; harness, run 87: 7.31 -> 7.27 us fp16, 7.45
-// -> 7.34 bf16 at 32 registers). Not the graph path's instance: bounds on every layout raised the
-// others' registers (its 16-key instance 40 -> 48).
-template <typename T, int GROUP>
+// 16-bit runs of 16 keys a lane with dropout, fewer than 2^32 elements: 32-bit indices, 32 registers,
+// 16 blocks an SM (bench_ops' 2,048 blocks at once). The host-keys draw took 48 registers with 64-bit
+// indices, 39 with 32-bit; at 32 (4 bytes of spills), harness (run 88): 7.31 -> 6.94 us fp16, 7.43 ->
+// 7.00 bf16. Bounds on the general kernel raised its other layouts' registers (its 16-key instance 40
+// -> 48), so this is a kernel of its own.
+template <typename T, int GROUP, bool KEYS>
 __global__ void __launch_bounds__(kThreads, 16)
-    softmax_forward_keys_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
-                                float* __restrict__ lse, int64_t rows, float p, float scale, RngState rng_state,
-                                RoundKeys keys) {
-  forward_rows<T, 16, GROUP, true, true>(scores, info, out, lse, rows, p, scale, rng_state, keys);
+    softmax_forward_short_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
+                                 float* __restrict__ lse, int64_t rows, float p, float scale, RngState rng_state,
+                                 RoundKeys keys) {
+  forward_rows<T, 16, GROUP, true, KEYS, uint32_t>(scores, info, out, lse, rows, p, scale, rng_state, keys);
 }
 
 // A block a row (rows beyond the warp layouts, no length cap): its scores, masks and log-sum-exp.
@@ -361,9 +362,12 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
     const bool warp = with_forward_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
       const int blocks = ceil_div(rows * GROUP, kThreads);
       if constexpr (CONTIG && ITEMS == 16 && sizeof(T) == 2) {
-        if (keys.valid && p > 0.f && rows * tk < (int64_t(1) << 32))
-          return softmax_forward_keys_kernel<T, GROUP><<<blocks, kThreads, 0, stream>>>(
-              (const T*)scores, info, (T*)out, lse, rows, p, scale, rng, keys);
+        if (p > 0.f && rows * tk < (int64_t(1) << 32)) {
+          const auto short_rows = keys.valid ? softmax_forward_short_kernel<T, GROUP, true>
+                                             : softmax_forward_short_kernel<T, GROUP, false>;
+          return short_rows<<<blocks, kThreads, 0, stream>>>((const T*)scores, info, (T*)out, lse, rows, p, scale,
+                                                             rng, keys);
+        }
       }
       softmax_forward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<blocks, kThreads, 0, stream>>>(
           (const T*)scores, info, (T*)out, lse, rows, p, scale, rng, keys);
