@@ -130,7 +130,8 @@ __device__ __forceinline__ void forward_rows(const T* __restrict__ scores, const
   // every run's loads (scores, padding bytes) issued before any is used, none behind a branch: a
   // lane's runs outside the row (CONTIG: tk % 8 == 0, so a run is all in or all out) load the row's
   // first run instead. With a branch a run, each run's loads waited for the run before it to arrive
-  // (two trips to memory a thread).
+  // (two trips to memory a thread): harness at [256, 16, 32, 32], 7.78 -> 7.31 us fp16, at Tk = 64
+  // 14.45 -> 13.17, at 128 26.2 -> 24.2 (run 86).
   Pack<T, N> raw[ITEMS / N];
   uint2 pad[ITEMS / N];
 #pragma unroll
@@ -204,9 +205,10 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
 
 // 16-bit runs of 16 keys a lane with dropout, fewer than 2^32 elements: 32-bit indices, 32 registers,
 // 16 blocks an SM (bench_ops' 2,048 blocks at once). The host-keys draw took 48 registers with 64-bit
-// indices, 39 with 32-bit; at 32 (4 bytes of spills), harness (run 88): 7.31 -> 6.94 us fp16, 7.43 ->
-// 7.00 bf16. Bounds on the general kernel raised its other layouts' registers (its 16-key instance 40
-// -> 48), so this is a kernel of its own.
+// indices, 39 with 32-bit; at 32 (4 bytes of spills), harness at [256, 16, 32, 32] (run 87): 7.31 ->
+// 6.94 us fp16, 7.43 -> 7.00 bf16. The draw from a graph's device-side seed (no spills), run 88: 7.78
+// -> 7.25 and 7.89 -> 7.17. Bounds on the general kernel raised its other layouts' registers (its
+// 16-key instance 40 -> 48), so this is a kernel of its own.
 template <typename T, int GROUP, bool KEYS>
 __global__ void __launch_bounds__(kThreads, 16)
     softmax_forward_short_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
