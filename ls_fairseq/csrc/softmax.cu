@@ -194,13 +194,14 @@ __device__ __forceinline__ void forward_rows(const T* __restrict__ scores, const
   if (lane == 0) lse[row] = fmaf(log2_ftz(sum), kLn2, m);  // -inf for a fully masked row
 }
 
-// keys: the Philox round keys from the host (keys.valid: a launch not captured in a graph, no given
-// mask); unused here
+// Every layout and dtype; the draw's round keys added up on the device (the host's keys are the short
+// kernel's alone: its layout is the one run 81 measured them at).
 template <typename T, int ITEMS, int GROUP, bool CONTIG>
 __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
                                             float* __restrict__ lse, int64_t rows, float p, float scale,
-                                            RngState rng_state, RoundKeys keys) {
-  forward_rows<T, ITEMS, GROUP, CONTIG, false, int64_t>(scores, info, out, lse, rows, p, scale, rng_state, keys);
+                                            RngState rng_state) {
+  forward_rows<T, ITEMS, GROUP, CONTIG, false, int64_t>(scores, info, out, lse, rows, p, scale, rng_state,
+                                                        RoundKeys{});
 }
 
 // 16-bit runs of 16 keys a lane with dropout, fewer than 2^32 elements: 32-bit indices, 32 registers,
@@ -372,7 +373,7 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
         }
       }
       softmax_forward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<blocks, kThreads, 0, stream>>>(
-          (const T*)scores, info, (T*)out, lse, rows, p, scale, rng, keys);
+          (const T*)scores, info, (T*)out, lse, rows, p, scale, rng);
     });
     if (!warp)
       softmax_forward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)scores, info, (T*)out, lse, p, scale, rng);
