@@ -74,8 +74,9 @@ def test_bad_mask_shape_is_named():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "B,H,Tq,Tk,causal",
-    [(2, 3, 1, 1, False), (2, 4, 33, 33, True), (3, 2, 9, 32, False), (3, 2, 24, 24, True), (1, 2, 7, 257, False),
-     (1, 1, 3, 1030, False), (2, 2, 5, 1000, True)],
+    # rows of 8k keys up to 128 and in (256, 512]: the forward's short-row kernel, 2, 4, 8 and 32 lanes a row
+    [(2, 3, 1, 1, False), (2, 4, 33, 33, True), (3, 2, 9, 32, False), (3, 2, 24, 24, True), (2, 2, 5, 64, False),
+     (1, 3, 6, 128, True), (1, 2, 3, 384, False), (1, 2, 7, 257, False), (1, 1, 3, 1030, False), (2, 2, 5, 1000, True)],
 )
 @pytest.mark.parametrize("p", [0.0, 0.1])
 def test_kernel_matches_reference(dtype, B, H, Tq, Tk, causal, p):
