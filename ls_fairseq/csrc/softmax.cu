@@ -257,13 +257,13 @@ __global__ void softmax_forward_block_kernel(const T* __restrict__ scores, RowIn
 template <typename T, int ITEMS, int GROUP, bool CONTIG>
 __global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T* __restrict__ scores,
                                              const float* __restrict__ lse, RowInfo info, Redraw keeps,
-                                             T* __restrict__ ds, int64_t rows, float p) {
+                                             T* __restrict__ ds, int64_t rows, float p, float scale) {
   constexpr int N = CONTIG ? 8 : 1;
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / GROUP;
   const int lane = threadIdx.x % GROUP, tk = info.tk;
   const bool valid = row < rows;
   const RowMask masked(info, valid ? row : 0);
-  const float l = valid ? lse[row] : 0.f, scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  const float l = valid ? lse[row] : 0.f;
   float dp[ITEMS], pr[ITEMS], dot = 0.f;
 #pragma unroll
   for (int k0 = 0; k0 < ITEMS; k0 += N) {
@@ -304,10 +304,9 @@ __global__ void softmax_backward_warp_kernel(const T* __restrict__ dout, const T
 template <typename T>
 __global__ void softmax_backward_block_kernel(const T* __restrict__ dout, const T* __restrict__ scores,
                                               const float* __restrict__ lse, RowInfo info, Redraw keeps,
-                                              T* __restrict__ ds, float p) {
+                                              T* __restrict__ ds, float p, float scale) {
   const int64_t row = blockIdx.x, base = row * info.tk;
   const int tk = info.tk;
-  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
   const BlockRow<T> r{scores + base, RowMask(info, row), lse[row]};
   auto dp = [&](int j) {
     bool keep[1];
@@ -387,17 +386,18 @@ void softmax_backward(DType dt, const void* dout, const void* scores, const floa
   if (rows == 0 || tk == 0) return;
   const RowInfo info(key_padding, causal, heads, tq, tk, rows);
   const Redraw keeps = redraw(rng, p);
+  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;  // as the forward's, from the host
   LS_DISPATCH(dt, {
     const int run = 8 * sizeof(T);
     const bool contig = tk % 8 == 0 && aligned_to(dout, run) && aligned_to(scores, run) && aligned_to(dscores, run) &&
                         aligned_to(key_padding, 8);
     const bool warp = with_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
       softmax_backward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
-          (const T*)dout, (const T*)scores, lse, info, keeps, (T*)dscores, rows, p);
+          (const T*)dout, (const T*)scores, lse, info, keeps, (T*)dscores, rows, p, scale);
     });
     if (!warp)
       softmax_backward_block_kernel<T><<<rows, 512, 0, stream>>>((const T*)dout, (const T*)scores, lse, info, keeps,
-                                                                  (T*)dscores, p);
+                                                                  (T*)dscores, p, scale);
   })
 }
 
