@@ -79,13 +79,17 @@ struct EmbForward {
 // times the warps at fewer registers.
 constexpr int kChunkRows = 8;     // sorted positions per chunk: one a lane of the warp that sums them
 constexpr int kChunkWarps = 4;    // chunks a block (one column slice)
-constexpr int kRowsInFlight = 2;  // rows of a chunk a lane loads before it adds any
+// rows of a chunk a lane loads before it adds any: accumulating, 2 (with each run's table row, 4 took
+// 84 registers unbounded); writing a new table, 4 (62 registers at 8 blocks an SM, no spills)
+template <bool ACCUMULATE>
+constexpr int kRowsInFlight = ACCUMULATE ? 2 : 4;
 constexpr int kJoinChunks = 4;    // head slots a join's lane loads at once
 constexpr int kJoinLanes = 4;     // a join's lanes, each walking every 4th continued chunk
 constexpr int kFinishThreads = 256;  // the finish kernel's blocks: a join's columns, or 8 zeroed rows
 constexpr int kJoinBlocks = 256;     // the finish kernel's blocks that join (each every 256th crossing run)
-constexpr int kChunkBlocksPerSM = 8;  // 32 warps an SM: at most 64 registers (84 unbounded at 4 rows in flight)
-static_assert(kChunkRows <= 32 && kChunkRows % kRowsInFlight == 0, "a chunk's positions are lanes of one warp");
+constexpr int kChunkBlocksPerSM = 8;  // 32 warps an SM: at most 64 registers
+static_assert(kChunkRows <= 32 && kChunkRows % kRowsInFlight<false> == 0 && kChunkRows % kRowsInFlight<true> == 0,
+              "a chunk's positions are lanes of one warp, walked in whole groups of rows");
 
 // The table row `id` from a run's fp32 sum: scaled, written or added to `old` (its value before).
 template <typename T, int V>
@@ -107,17 +111,19 @@ __device__ __forceinline__ void write_row(T* dtable, bool accumulate, int id, in
 // chunk continues it, to its tail slot (pieces[(2 chunk + slot) dim], fp32; the finish kernel adds
 // them; the chunk goes on the list of `starts`, counted in by the word before `present`). A chunk is
 // the same kChunkRows positions whatever the ids, so a frequent token's long run is summed by many
-// warps side by side, and a batch of rare ids costs the same as one of frequent ids. Without
-// `accumulate`, each id with a run sets its bit in `present` (the rows the finish kernel's zeros
-// then leave alone).
-template <typename T, int V>
+// warps side by side, and a batch of rare ids costs the same as one of frequent ids. ACCUMULATE: the
+// table rows are added to (ls_adam's workspace); without, each id with a run sets its bit in `present`
+// (the rows the finish kernel's zeros then leave alone).
+template <typename T, int V, bool ACCUMULATE>
 __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
     embedding_backward_chunk_kernel(const T* __restrict__ dout, const uint8_t* __restrict__ keep_bits,
                                     const int* __restrict__ sorted_ids,
-                                    const int* __restrict__ order, T* __restrict__ dtable, bool accumulate,
+                                    const int* __restrict__ order, T* __restrict__ dtable,
                                     float* __restrict__ pieces, unsigned* __restrict__ present, int* __restrict__ starts,
                                     int64_t n, int dim, float scale, int padding_idx, float p) {
   constexpr unsigned kAll = 0xffffffffu;
+  constexpr bool accumulate = ACCUMULATE;
+  constexpr int kRows = kRowsInFlight<ACCUMULATE>;
   const int lane = threadIdx.x & 31;
   const int64_t chunk = int64_t(blockIdx.x) * kChunkWarps + (threadIdx.x >> 5), begin = chunk * kChunkRows;
   if (begin >= n) return;  // the whole warp
@@ -142,11 +148,11 @@ __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
   const bool cols = c < dim;
   const float drop = p > 0.f ? 1.f / (1.f - p) : 1.f;
   float acc[V] = {};
-  for (int r0 = 0; r0 < len; r0 += kRowsInFlight) {
-    Pack<T, V> v[kRowsInFlight], old[kRowsInFlight];
-    unsigned keep[kRowsInFlight];  // bit k: column c + k kept
+  for (int r0 = 0; r0 < len; r0 += kRows) {
+    Pack<T, V> v[kRows], old[kRows];
+    unsigned keep[kRows];  // bit k: column c + k kept
 #pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
+    for (int u = 0; u < kRows; ++u) {
       const int i = (r0 + u) & 31, rid = __shfl_sync(kAll, id, i);
       const int64_t r = __shfl_sync(kAll, row, i);
       const bool in = r0 + u < len && rid != padding_idx && cols;
@@ -157,7 +163,7 @@ __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
       keep[u] = !in ? 0u : keep_bits ? unsigned(keep_bits[e >> 3]) >> (e & 7) : ~0u;
     }
 #pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
+    for (int u = 0; u < kRows; ++u) {
       const int i = r0 + u;
       float d[V];
       unpack(v[u], d);
@@ -568,9 +574,11 @@ void embedding_backward(DType dt, const void* dout, const RngState* rng, const i
   LS_DISPATCH(dt, {
     auto launch = [&]<int V>() {
       const int slices = ceil_div(dim, 32 * V), chunks = int(chunks_of(n));
-      embedding_backward_chunk_kernel<T, V><<<dim3(ceil_div(chunks, kChunkWarps), slices), 32 * kChunkWarps, 0, stream>>>(
-          (const T*)dout, keep_bits, bb.keys_out, bb.order_out, (T*)dtable.ptr, dtable.accumulate, bb.pieces,
-          present, bb.starts, n, dim, scale, padding_idx, p);
+      const auto chunk_kernel = dtable.accumulate ? embedding_backward_chunk_kernel<T, V, true>
+                                                  : embedding_backward_chunk_kernel<T, V, false>;
+      chunk_kernel<<<dim3(ceil_div(chunks, kChunkWarps), slices), 32 * kChunkWarps, 0, stream>>>(
+          (const T*)dout, keep_bits, bb.keys_out, bb.order_out, (T*)dtable.ptr, bb.pieces, present, bb.starts, n, dim,
+          scale, padding_idx, p);
       const int join_blocks = chunks < kJoinBlocks ? chunks : kJoinBlocks;
       const int zero_blocks = dtable.accumulate ? 0 : ceil_div(rows * 32, kFinishThreads);
       embedding_backward_finish_kernel<T, V><<<join_blocks + zero_blocks, kFinishThreads, 0, stream>>>(
