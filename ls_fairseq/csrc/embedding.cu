@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(kMergeItems * kMergeGroups)
   constexpr int kThreads = kMergeItems * kMergeGroups;
   const int sort_blocks = gridDim.x - draw.blocks;
   if (int(blockIdx.x) >= sort_blocks) return draw_keep_bits(draw, blockIdx.x - sort_blocks);
-  extern __shared__ uint4 sorted_s[];  // (n + 3) / 4 vectors: the launch's dynamic shared memory
+  extern __shared__ uint4 sorted_s[];  // (n + 3) / 4 vectors, at least the counts: the launch's dynamic shared memory
   const int e = threadIdx.x % kMergeItems, g = threadIdx.x / kMergeItems, i = blockIdx.x * kMergeItems + e;
   const unsigned mine = i < n ? sort_key(ids, i, pos_bits) : 0u;
   const int vectors = (n + 3) / 4;  // the last one read past n within the 256-byte-aligned buffer
@@ -560,8 +560,9 @@ void embedding_backward(DType dt, const void* dout, const RngState* rng, const i
     slice_sort_kernel<<<ceil_div(n, kSlice) + first.blocks, kSlice, 0, stream>>>(ids, sorted, int(n), key_bits(n + 1),
                                                                                bb.flags, words, first);
     // the sorted keys' bytes, not kRankSortKeys' 48 KB: the blocks that draw beside the merge are held
-    // by the kernel's shared memory (48 KB: 4 blocks an SM; 32 KB at 8,192 ids: 5, by registers)
-    const size_t merge_smem = size_t(n + 3) / 4 * sizeof(uint4);
+    // by the kernel's shared memory (48 KB: 4 blocks an SM; 32 KB at 8,192 ids: 5, by registers); at
+    // least the warps' counts that take the keys' space once they are read (1 KB)
+    const size_t merge_smem = std::max(size_t(n + 3) / 4 * sizeof(uint4), kMergeItems * kMergeGroups * sizeof(unsigned));
     merge_rank_kernel<<<ceil_div(n, kMergeItems) + second.blocks, kMergeItems * kMergeGroups, merge_smem, stream>>>(
         ids, sorted, bb.keys_out, bb.order_out, int(n), key_bits(n + 1), second);
   } else {
