@@ -233,17 +233,27 @@ __device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
   return c;
 }
 
+// The keep threshold of p, ceil(65536 p) (below 2^16: p < 1), in the upper half of a word: a 16-bit
+// uniform u in either half of a random word is >= it when the word, or the word shifted up a half,
+// is (no mask or shift down). The host (RoundKeys) and the device compute it the same way.
+__host__ __device__ __forceinline__ unsigned keep_threshold(float p) {
+  const unsigned t = unsigned(ceilf(p * 65536.f));
+  return (t < 0xFFFFu ? t : 0xFFFFu) << 16;
+}
+
 // The ten round keys of a seed known on the host, passed as a kernel parameter: each round xors
 // its key from the constant bank, a Philox call without the key schedule's 20 adds (the softmax
 // forward: 4.42M -> 3.97M instructions, 8.35 -> 7.71 us, run 81). A launch captured in a CUDA graph
 // reads its seed on the device, or a given mask replaces the draw: `valid` false.
 struct RoundKeys {
   uint2 k[10];
+  unsigned threshold;  // keep_threshold(p): no per-draw conversion of p
   bool valid;
 };
-inline RoundKeys round_keys(const RngState& rng) {
+inline RoundKeys round_keys(const RngState& rng, float p) {
   RoundKeys keys{};
   keys.valid = rng.seed_ptr == nullptr && rng.given == nullptr;
+  keys.threshold = keep_threshold(p);
   const uint2 k = make_uint2(unsigned(rng.seed), unsigned(rng.seed >> 32));
   for (int r = 0; r < 10; ++r) keys.k[r] = round_key(k, r);
   return keys;
@@ -306,11 +316,8 @@ __device__ __forceinline__ __half round_stochastic<__half>(float x, unsigned r) 
 // 1 - ceil(65536 p) / 65536, within 2^-16 of 1 - p. Philox is the costly part of a
 // dropout kernel (10 rounds of two 32-bit multiply-highs): 16 bits an element
 // halve it against 32.
-__device__ __forceinline__ void keep8_of(uint4 r, float p, bool (&keep)[8]) {
+__device__ __forceinline__ void keep8_of(uint4 r, unsigned threshold, bool (&keep)[8]) {
   const unsigned w[4] = {r.x, r.y, r.z, r.w};
-  // the threshold in the upper half (below 2^16: p < 1): a half's u >= threshold is then the word,
-  // or the word shifted up, >= it (no mask or shift down a half)
-  const unsigned threshold = min(unsigned(ceilf(p * 65536.f)), 0xFFFFu) << 16;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     keep[2 * i] = w[i] << 16 >= threshold;
@@ -318,15 +325,15 @@ __device__ __forceinline__ void keep8_of(uint4 r, float p, bool (&keep)[8]) {
   }
 }
 __device__ __forceinline__ void keep8(const RngState& rng, uint64_t g, float p, bool (&keep)[8]) {
-  keep8_of(random4(rng, g), p, keep);
+  keep8_of(random4(rng, g), keep_threshold(p), keep);
 }
-// The same bits from the host's round keys (keys.valid; rng resolved, its seed the keys')
-__device__ __forceinline__ void keep8(const RngState& resolved_rng, const RoundKeys& keys, uint64_t g, float p,
+// The same bits from the host's round keys and threshold (keys.valid; rng resolved, its seed the keys')
+__device__ __forceinline__ void keep8(const RngState& resolved_rng, const RoundKeys& keys, uint64_t g,
                                       bool (&keep)[8]) {
   uint4 c = philox_counter(resolved_rng, g);
 #pragma unroll
   for (int r = 0; r < 10; ++r) c = philox_round(c, keys.k[r]);
-  keep8_of(c, p, keep);
+  keep8_of(c, keys.threshold, keep);
 }
 
 // Keep-bits of N consecutive elements from e (e a multiple of N when N < 8, of 8 otherwise):

@@ -173,6 +173,10 @@ __device__ __forceinline__ void forward_rows(const T* __restrict__ scores, const
   // sum >= 1 when a key is unmasked (the max's term is 1): the SFU's reciprocal, no range scaling;
   // the dropout's scale (the host's 1 / (1 - p)) folded in, so a kept probability is rounded once
   const float inv = sum > 0.f ? rcp_ftz(sum) * scale : 0.f;
+  // the row's log-sum-exp, -inf for a fully masked row (the SFU's lg2, sum >= 1 as above, ample for
+  // P = exp(s - lse) in fp32): formed before the draws, one register live across them where sum and
+  // m were two (the short kernel's 4 bytes of spills at 32 registers gone), stored after the row's
+  const float row_lse = fmaf(log2_ftz(sum), kLn2, m);
   const RngState rng = resolved(rng_state);  // (seed, offset) loaded once for the row's draws
 #pragma unroll
   for (int k0 = 0; k0 < ITEMS; k0 += N) {
@@ -182,7 +186,7 @@ __device__ __forceinline__ void forward_rows(const T* __restrict__ scores, const
     bool keep[N];
     if (p > 0.f) {
       if constexpr (!CONTIG) keep[0] = keep1(rng, e, p);
-      else if constexpr (KEYS) keep8(rng, keys, uint64_t(e) >> 3, p, keep);
+      else if constexpr (KEYS) keep8(rng, keys, uint64_t(e) >> 3, keep);
       else keep_run<8>(rng, e, p, keep);
     }
     float pr[N];
@@ -190,8 +194,7 @@ __device__ __forceinline__ void forward_rows(const T* __restrict__ scores, const
     for (int i = 0; i < N; ++i) pr[i] = p > 0.f && !keep[i] ? 0.f : v[k0 + i] * inv;
     store<T, N>(out + e, pr);
   }
-  // after the row's stores; the SFU's lg2 (sum >= 1 as above), ample for P = exp(s - lse) in fp32
-  if (lane == 0) lse[row] = fmaf(log2_ftz(sum), kLn2, m);  // -inf for a fully masked row
+  if (lane == 0) lse[row] = row_lse;
 }
 
 // Every layout and dtype; the draw's round keys added up on the device (the host's keys are the short
@@ -357,7 +360,7 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
   if (rows == 0 || tk == 0) return;
   const RowInfo info(key_padding, causal, heads, tq, tk, rows);
   const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
-  const RoundKeys keys = round_keys(rng);
+  const RoundKeys keys = round_keys(rng, p);
   LS_DISPATCH(dt, {
     const int run = 8 * sizeof(T);
     const bool contig = tk % 8 == 0 && aligned_to(scores, run) && aligned_to(out, run) && aligned_to(key_padding, 8);
