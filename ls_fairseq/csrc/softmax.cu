@@ -208,13 +208,15 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
 }
 
 // 16-bit runs of 16 keys a lane with dropout, fewer than 2^32 elements: 32-bit indices, 32 registers,
-// 16 blocks an SM (bench_ops' 2,048 blocks at once). The host-keys draw took 48 registers with 64-bit
-// indices, 39 with 32-bit; at 32 (4 bytes of spills), harness at [256, 16, 32, 32] (run 87): 7.31 ->
-// 6.94 us fp16, 7.43 -> 7.00 bf16. The draw from a graph's device-side seed (no spills), run 88: 7.78
-// -> 7.25 and 7.89 -> 7.17. Bounds on the general kernel raised its other layouts' registers (its
-// 16-key instance 40 -> 48), so this is a kernel of its own.
+// 2,048 threads an SM (bench_ops' 1,024 blocks at once). The host-keys draw took 48 registers with
+// 64-bit indices, 39 with 32-bit; at 32 (4 bytes of spills), harness at [256, 16, 32, 32] (run 87):
+// 7.31 -> 6.94 us fp16, 7.43 -> 7.00 bf16. The draw from a graph's device-side seed (no spills), run
+// 88: 7.78 -> 7.25 and 7.89 -> 7.17. Bounds on the general kernel raised its other layouts' registers
+// (its 16-key instance 40 -> 48), so this is a kernel of its own. Blocks of 256 threads, not 128 (8 an
+// SM, not 16): harness (run 90) 6.89 -> 6.77 us fp16, 6.93 -> 6.88 bf16.
+constexpr int kShortThreads = 256;
 template <typename T, int GROUP, bool KEYS>
-__global__ void __launch_bounds__(kThreads, 16)
+__global__ void __launch_bounds__(kShortThreads, 8)
     softmax_forward_short_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
                                  float* __restrict__ lse, int64_t rows, float p, float scale, RngState rng_state,
                                  RoundKeys keys) {
@@ -370,8 +372,8 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
         if (p > 0.f && rows * tk < (int64_t(1) << 32)) {
           const auto short_rows = keys.valid ? softmax_forward_short_kernel<T, GROUP, true>
                                              : softmax_forward_short_kernel<T, GROUP, false>;
-          return short_rows<<<blocks, kThreads, 0, stream>>>((const T*)scores, info, (T*)out, lse, rows, p, scale,
-                                                             rng, keys);
+          return short_rows<<<ceil_div(rows * GROUP, kShortThreads), kShortThreads, 0, stream>>>(
+              (const T*)scores, info, (T*)out, lse, rows, p, scale, rng, keys);
         }
       }
       softmax_forward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<blocks, kThreads, 0, stream>>>(
