@@ -213,7 +213,8 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
 // 7.31 -> 6.94 us fp16, 7.43 -> 7.00 bf16. The draw from a graph's device-side seed (no spills), run
 // 88: 7.78 -> 7.25 and 7.89 -> 7.17. Bounds on the general kernel raised its other layouts' registers
 // (its 16-key instance 40 -> 48), so this is a kernel of its own. Blocks of 256 threads, not 128 (8 an
-// SM, not 16): harness (run 90) 6.89 -> 6.77 us fp16, 6.93 -> 6.88 bf16.
+// SM, not 16): harness (run 91) 6.86 -> 6.77 us fp16, 6.92 -> 6.88 bf16; 512 took Tk = 128 bf16 22.55
+// -> 22.7.
 constexpr int kShortThreads = 256;
 template <typename T, int GROUP, bool KEYS>
 __global__ void __launch_bounds__(kShortThreads, 8)
