@@ -213,7 +213,7 @@ struct RowLanes {
   __device__ RowLanes(const BlockMask& mask, float p) : warp(threadIdx.x >> 5), lane(threadIdx.x & 31) {
 #pragma unroll
     for (int m = 0; m < kCols; ++m) key[m] = mask.key_live(lane + 32 * m);
-    scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+    scale = dropout_scale(p);
   }
 };
 

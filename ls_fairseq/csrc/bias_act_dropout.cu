@@ -71,7 +71,7 @@ struct BadBackwardMap {
     unpack(d, v[0]);
     unpack(xp, xv);
     if (bias) unpack(bp, bv);
-    const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+    const float scale = dropout_scale(p);
 #pragma unroll
     for (int i = 0; i < N; ++i) v[0][i] = keep[i] ? v[0][i] * scale * act_grad(xv[i] + bv[i], activation) : 0.f;
     store<T, N>(dx + e, v[0]);

@@ -51,7 +51,7 @@ struct BdrBackwardMap {
   template <int N>
   __device__ void operator()(int64_t r, int c, float (&v)[1][N]) const {
     const int64_t e = r * hidden + c;
-    const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+    const float scale = dropout_scale(p);
     bool keep[N];
     const Pack<T, N> d = load_pack<T, N>(dout + e);  // in flight during the draw
     keeps.run<N>(e, p, keep);

@@ -233,6 +233,10 @@ __device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
   return c;
 }
 
+// The scale of a kept element, 1 / (1 - p) (1 without dropout): one expression for the host and every
+// kernel, so a kernel that takes it from the host and one that forms it agree to the bit.
+__host__ __device__ __forceinline__ float dropout_scale(float p) { return p > 0.f ? 1.f / (1.f - p) : 1.f; }
+
 // The keep threshold of p, ceil(65536 p) (below 2^16: p < 1), in the upper half of a word: a 16-bit
 // uniform u in either half of a random word is >= it when the word, or the word shifted up a half,
 // is (no mask or shift down). The host (RoundKeys) and the device compute it the same way.

@@ -69,7 +69,7 @@ __global__ void dropout_map_kernel(F f, T* __restrict__ out, int64_t row0, int c
   float v[V];
   f.template values<V>(in, v);
   if constexpr (DROP) {
-    const float scale = 1.f / (1.f - p);
+    const float scale = dropout_scale(p);
 #pragma unroll
     for (int i = 0; i < V; ++i) v[i] = keep[i] ? v[i] * scale : 0.f;
   }

@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
   if (tail && blockIdx.y == 0) starts[atomicAdd(present - 1, 1u)] = int(chunk);
   const int c = (blockIdx.y * 32 + lane) * V;
   const bool cols = c < dim;
-  const float drop = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  const float drop = dropout_scale(p);
   float acc[V] = {};
   for (int r0 = 0; r0 < len; r0 += kRows) {
     Pack<T, V> v[kRows], old[kRows];

@@ -75,7 +75,7 @@ struct BdrRows {
     }
     add_unpacked(hp, bp, v);
     unpack(rp, rv);
-    const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+    const float scale = dropout_scale(p);
 #pragma unroll
     for (int i = 0; i < V; ++i) v[i] = to_f(from_f<T>((keep[i] ? v[i] * scale : 0.f) + rv[i]));
   }

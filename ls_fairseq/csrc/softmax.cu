@@ -362,13 +362,12 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
   const int64_t rows = int64_t(batch) * heads * tq;
   if (rows == 0 || tk == 0) return;
   const RowInfo info(key_padding, causal, heads, tq, tk, rows);
-  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;
+  const float scale = dropout_scale(p);
   const RoundKeys keys = round_keys(rng, p);
   LS_DISPATCH(dt, {
     const int run = 8 * sizeof(T);
     const bool contig = tk % 8 == 0 && aligned_to(scores, run) && aligned_to(out, run) && aligned_to(key_padding, 8);
     const bool warp = with_forward_row_layout(tk, contig, [&]<int ITEMS, int GROUP, bool CONTIG>() {
-      const int blocks = ceil_div(rows * GROUP, kThreads);
       if constexpr (CONTIG && ITEMS == 16 && sizeof(T) == 2) {
         if (p > 0.f && rows * tk < (int64_t(1) << 32)) {
           const auto short_rows = keys.valid ? softmax_forward_short_kernel<T, GROUP, true>
@@ -377,7 +376,7 @@ void softmax_forward(DType dt, const void* scores, const uint8_t* key_padding, b
               (const T*)scores, info, (T*)out, lse, rows, p, scale, rng, keys);
         }
       }
-      softmax_forward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<blocks, kThreads, 0, stream>>>(
+      softmax_forward_warp_kernel<T, ITEMS, GROUP, CONTIG><<<ceil_div(rows * GROUP, kThreads), kThreads, 0, stream>>>(
           (const T*)scores, info, (T*)out, lse, rows, p, scale, rng);
     });
     if (!warp)
@@ -392,7 +391,7 @@ void softmax_backward(DType dt, const void* dout, const void* scores, const floa
   if (rows == 0 || tk == 0) return;
   const RowInfo info(key_padding, causal, heads, tq, tk, rows);
   const Redraw keeps = redraw(rng, p);
-  const float scale = p > 0.f ? 1.f / (1.f - p) : 1.f;  // as the forward's, from the host
+  const float scale = dropout_scale(p);  // as the forward's, from the host
   LS_DISPATCH(dt, {
     const int run = 8 * sizeof(T);
     const bool contig = tk % 8 == 0 && aligned_to(dout, run) && aligned_to(scores, run) && aligned_to(dscores, run) &&
