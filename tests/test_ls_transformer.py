@@ -6,7 +6,7 @@ import torch
 from helpers import LOW_PRECISION, assert_close, check_kernel, kernel, rel_error
 from model_utils import batch, build_pair, grads_by_stock_name
 
-from ls_fairseq.ops.dispatch import IN_WORKSPACE
+from ls_fairseq.ops.workspace import accumulate_in_place
 
 VARIANTS = {
     "post-ln relu sinusoidal shared": dict(share_all_embeddings=True),
@@ -141,7 +141,7 @@ def test_gradients_accumulated_in_place_equal_autograds(device, dtype, rtol, var
     autograd = {name: p.grad.clone() for name, p in ls.named_parameters()}
     for p in ls.parameters():  # as ls_adam's workspace leaves them
         p.grad = torch.zeros_like(p)
-        setattr(p, IN_WORKSPACE, True)
+    accumulate_in_place(ls.parameters())
     for _ in range(2):
         out, _ = ls(**net_input)
         out.backward(upstream)

@@ -49,7 +49,8 @@ except ImportError:
     _backends = contextlib.nullcontext
 
 from ls_fairseq.ops import dispatch
-from ls_fairseq.ops.softmax import softmax, softmax_backward_reference, softmax_forward_reference
+from ls_fairseq.ops.dispatch import _C
+from ls_fairseq.ops.softmax import SOFTMAX_ROUTE, softmax
 
 
 class AttentionMask:
@@ -120,13 +121,24 @@ def attention_reference(q, k, v, mask=None, p=0.0, training=True, dropout_mask=N
     return torch.matmul(probs, v)
 
 
+# the kernel side is the fused kernel's pair (AttentionFunction) where the rows fit it, else the LightSeq path
+# (SOFTMAX_ROUTE's kernels between cuBLAS GEMMs) or torch's scaled_dot_product_attention; the reference side is
+# attention_reference as a whole
+ATTENTION_ROUTE = dispatch.Route(
+    "attention",
+    kernel=(_C.attention_forward, _C.attention_backward) if _C else None,
+    reference=attention_reference,
+)
+
+
 class AttentionFunction(torch.autograd.Function):
-    """The fused kernel's attention: saves q, k, v and each query row's log-sum-exp (the
-    output's consumer, the out projection, keeps the output itself)."""
+    """The fused kernel's attention (``kernel``: ATTENTION_ROUTE's pair): saves q, k, v and each query
+    row's log-sum-exp (the output's consumer, the out projection, keeps the output itself)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, causal, p):
-        out, lse, dropout = dispatch.extension().attention_forward(q, k, v, key_padding_mask, causal, p)
+    def forward(ctx, q, k, v, key_padding_mask, causal, p, kernel):
+        fwd, ctx.bwd = kernel
+        out, lse, dropout = fwd(q, k, v, key_padding_mask, causal, p)
         ctx.save_for_backward(q, k, v, lse, key_padding_mask)
         ctx.causal, ctx.p, ctx.dropout = causal, p, dropout
         return out
@@ -135,9 +147,8 @@ class AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, lse, key_padding_mask = ctx.saved_tensors
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-        dq, dk, dv = dispatch.extension().attention_backward(dout, q, k, v, lse, key_padding_mask, ctx.causal,
-                                                             ctx.dropout, ctx.p)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = ctx.bwd(dout, q, k, v, lse, key_padding_mask, ctx.causal, ctx.dropout, ctx.p)
+        return dq, dk, dv, None, None, None, None
 
 
 def _keep_mask(dropout):
@@ -153,7 +164,7 @@ class RecomputedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_padding_mask, causal, p):
-        fwd, bwd = dispatch.implementation("softmax", q, softmax_forward_reference, softmax_backward_reference)
+        fwd, bwd = SOFTMAX_ROUTE.pick(q)
         dropped, _, dropout = fwd(torch.matmul(q, k.transpose(-1, -2)), key_padding_mask, causal, p, None)
         ctx.fwd, ctx.bwd, ctx.causal, ctx.p = fwd, bwd, causal, p
         dispatch.save_with_dropout(ctx, (q, k, v, key_padding_mask), dropout)
@@ -173,11 +184,10 @@ class RecomputedAttentionFunction(torch.autograd.Function):
 def _fused_kernel_fits(q, k, v):
     """Whether the fused kernel runs these inputs: 16-bit, its d_head, rows of d_head contiguous at
     16-byte boundaries (any strides over batch, heads and length), both lengths within its rows."""
-    ext = dispatch.extension()
     rows_aligned = all(t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
                        for t in (q, k, v))
-    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == ext.attention_head_dim and rows_aligned
-            and 1 <= q.shape[-2] <= ext.attention_max_len and 1 <= k.shape[-2] <= ext.attention_max_len)
+    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == _C.attention_head_dim and rows_aligned
+            and 1 <= q.shape[-2] <= _C.attention_max_len and 1 <= k.shape[-2] <= _C.attention_max_len)
 
 
 def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exact_row_term=False):
@@ -192,11 +202,12 @@ def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exa
             )
         )
     p = p if training else 0.0
-    if not dispatch.use_kernel("attention", q):
+    picked = ATTENTION_ROUTE.pick(q)
+    if picked is attention_reference:
         return attention_reference(q, k, v, mask, p, training)
     kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
     if _fused_kernel_fits(q, k, v):
-        return AttentionFunction.apply(q, k, v, kpm, causal, p)
+        return AttentionFunction.apply(q, k, v, kpm, causal, p, picked)
     if exact_row_term or (deterministic and training):
         return RecomputedAttentionFunction.apply(q, k, v, kpm, causal, p)
     attn_mask, is_causal = mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask else (None, False)

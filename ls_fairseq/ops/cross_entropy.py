@@ -15,6 +15,7 @@ fp16. The caller promises that nothing else needs the logits after the loss
 import torch
 
 from ls_fairseq.ops import dispatch
+from ls_fairseq.ops.dispatch import _C
 
 
 def cross_entropy_forward_reference(logits, target, epsilon, padding_idx):
@@ -45,12 +46,17 @@ def cross_entropy_backward_reference(dloss, dnll, logits, target, lse, epsilon, 
     return grad.to(logits.dtype) if out is None else out.copy_(grad)
 
 
+CROSS_ENTROPY_ROUTE = dispatch.Route(
+    "cross_entropy",
+    kernel=(_C.cross_entropy_forward, _C.cross_entropy_backward) if _C else None,
+    reference=(cross_entropy_forward_reference, cross_entropy_backward_reference),
+)
+
+
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, epsilon, padding_idx, overwrite_logits):
-        fwd, bwd = dispatch.implementation(
-            "cross_entropy", logits, cross_entropy_forward_reference, cross_entropy_backward_reference
-        )
+        fwd, bwd = CROSS_ENTROPY_ROUTE.pick(logits)
         logits = logits.contiguous()
         loss, nll, lse = fwd(logits, target, epsilon, padding_idx)
         ctx.bwd, ctx.epsilon, ctx.padding_idx, ctx.overwrite_logits = bwd, epsilon, padding_idx, overwrite_logits

@@ -8,7 +8,8 @@ them, nothing else.
 """
 import torch
 
-from ls_fairseq.ops import dispatch
+from ls_fairseq.ops import dispatch, workspace
+from ls_fairseq.ops.dispatch import _C
 
 
 def layer_norm_forward_reference(x, weight, bias, eps):
@@ -42,12 +43,17 @@ def layer_norm_backward_reference(dy, x, weight, mean, rstd, dweight_into=None, 
     )
 
 
+LAYER_NORM_ROUTE = dispatch.Route(
+    "layer_norm",
+    kernel=(_C.layer_norm_forward, _C.layer_norm_backward) if _C else None,
+    reference=(layer_norm_forward_reference, layer_norm_backward_reference),
+)
+
+
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, residual_grad):
-        fwd, bwd = dispatch.implementation(
-            "layer_norm", x, layer_norm_forward_reference, layer_norm_backward_reference
-        )
+        fwd, bwd = LAYER_NORM_ROUTE.pick(x)
         x = x.contiguous()
         y, mean, rstd = fwd(x, weight, bias, eps)
         ctx.bwd, ctx.bias, ctx.residual_grad = bwd, bias, residual_grad
@@ -59,12 +65,12 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
-        into = dispatch.grad_in_place(weight), dispatch.grad_in_place(ctx.bias)
+        into = workspace.grad_in_place(weight), workspace.grad_in_place(ctx.bias)
         dx, dweight, dbias = ctx.bwd(dy.contiguous(), x, weight, mean, rstd, *into)
         dres = ctx.residual_grad.take() if ctx.residual_grad is not None else None
         if dres is not None:
             dx = dx.add_(dres)  # dx is this backward's own new tensor
-        return dx, dispatch.for_autograd(dweight, into[0]), dispatch.for_autograd(dbias, into[1]), None, None
+        return dx, workspace.for_autograd(dweight, into[0]), workspace.for_autograd(dbias, into[1]), None, None
 
 
 def layer_norm(x, weight, bias, eps=1e-5, residual_grad=None):

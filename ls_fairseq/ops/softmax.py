@@ -17,6 +17,7 @@ probabilities to the scores' dtype first (the two an ulp apart at most).
 import torch
 
 from ls_fairseq.ops import dispatch
+from ls_fairseq.ops.dispatch import _C
 
 
 def _masked_scores(scores, key_padding_mask, causal):
@@ -55,10 +56,17 @@ def softmax_backward_reference(dout, scores, lse, key_padding_mask, causal, mask
     return ds.to(dout.dtype)
 
 
+SOFTMAX_ROUTE = dispatch.Route(
+    "softmax",
+    kernel=(_C.softmax_forward, _C.softmax_backward) if _C else None,
+    reference=(softmax_forward_reference, softmax_backward_reference),
+)
+
+
 class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, key_padding_mask, causal, p, mask):
-        fwd, bwd = dispatch.implementation("softmax", scores, softmax_forward_reference, softmax_backward_reference)
+        fwd, bwd = SOFTMAX_ROUTE.pick(scores)
         scores = scores.contiguous()
         out, lse, dropout = fwd(scores, key_padding_mask, causal, p, mask)
         ctx.bwd, ctx.causal, ctx.p = bwd, causal, p

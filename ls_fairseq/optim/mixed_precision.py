@@ -31,7 +31,6 @@ from fairseq.optim import FairseqOptimizer
 
 from ls_fairseq import ops
 from ls_fairseq.ops.adam import GRAD_NORM, GRAD_SCALE, GOOD_STEPS, LOSS_SCALE, OVERFLOW, STEP
-from ls_fairseq.ops.dispatch import NO_GRAD_HOOKS
 from ls_fairseq.optim.ls_adam import LSAdam
 
 # fairseq's names for its legacy data-parallel wrapper: no autograd hooks, the optimizer's all-reduce after backward
@@ -84,12 +83,11 @@ class DeviceStepAdam(FairseqOptimizer):
         common = cfg.common
         memory_efficient = common.memory_efficient_fp16 or common.memory_efficient_bf16
         fp32_master = cfg.optimizer.ls_fp32_master or ((common.fp16 or common.bf16) and not memory_efficient)
-        adam = LSAdam(cfg.optimizer, params, fp32_master=fp32_master)
-        if cfg.distributed_training.ddp_backend in LEGACY_DDP_BACKENDS:
-            # fairseq's legacy wrapper watches no gradient: the ops may accumulate in place also
-            # under data-parallel training (torch's DistributedDataParallel needs autograd's own)
-            for p in params:
-                setattr(p, NO_GRAD_HOOKS, True)
+        # fairseq's legacy wrapper watches no gradient (ls_adam all-reduces its workspace after backward): the
+        # ops may accumulate in place also under data-parallel training (torch's DistributedDataParallel needs
+        # autograd's own accumulation, which LSAdam leaves it whenever torch.distributed is initialised)
+        legacy = cfg.distributed_training.ddp_backend in LEGACY_DDP_BACKENDS
+        adam = LSAdam(cfg.optimizer, params, fp32_master=fp32_master, grad_hooks=False if legacy else None)
         if not common.fp16:
             return cls(cfg.optimizer, adam)
         if common.fp16_scale_tolerance:
