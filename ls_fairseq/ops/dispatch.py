@@ -8,6 +8,7 @@ debugging and for A/B checks on the GPU). The variable is read on every call (it
 so tests may change it.
 """
 import functools
+import glob
 import logging
 import os
 
@@ -41,6 +42,7 @@ def _load_extension():
         from ls_fairseq import _C
 
         _ext = _C
+        _warn_if_older_than_sources(_C.__file__)
     except ImportError as e:
         _ext_error = str(e)
         if torch.cuda.is_available():
@@ -48,6 +50,26 @@ def _load_extension():
                 "ls_fairseq: CUDA extension not loaded (%s); every op uses its PyTorch reference", e
             )
     return _ext
+
+
+def _warn_if_older_than_sources(module_file):
+    """A notice when the extension was built before the last change of a CUDA source beside it
+    (``pip install -e .`` or ``setup.py build_ext --inplace`` builds it into the tree): it may not
+    be what the tree's ops expect. By file times, so a checkout that rewrote a source with the same
+    bytes also shows it; the extension is used all the same. Not for an installed package (no
+    setup.py above it), whose files' times are those of the installation."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(package, "..", "setup.py")):
+        return
+    sources = glob.glob(os.path.join(package, "csrc", "*"))
+    built = os.path.getmtime(module_file)
+    newer = sorted(os.path.basename(f) for f in sources if os.path.getmtime(f) > built)
+    if newer:
+        logger.warning(
+            "ls_fairseq: the CUDA extension %s is older than %s in ls_fairseq/csrc; rebuild it "
+            "(pip install -e . or python setup.py build_ext --inplace) if those sources changed", module_file,
+            ", ".join(newer),
+        )
 
 
 def extension():
