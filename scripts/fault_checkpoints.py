@@ -47,7 +47,7 @@ TRAIN = [
     "--max-tokens", "512", "--cpu", "--num-workers", "0", "--no-progress-bar", "--log-interval", "1",
     "--seed", "1", "--max-update", "100000",
     "--save-interval-updates", str(SAVE_INTERVAL_UPDATES), "--keep-interval-updates", "3",
-    "--validate-interval-updates", str(SAVE_INTERVAL_UPDATES),
+    "--validate-interval-updates", str(SAVE_INTERVAL_UPDATES), "--keep-last-epochs", "2",
 ]
 CLIS = ("fairseq-train", "ls-fairseq-train")
 

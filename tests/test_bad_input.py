@@ -3,6 +3,7 @@ nothing on disk is changed (or, where the input is valid, it is trained on corre
 import argparse
 import logging
 import os
+import re
 import types
 
 import pytest
@@ -175,3 +176,39 @@ def test_an_extension_older_than_its_sources_is_noticed(tmp_path, caplog):
     os.utime(module, (2**32, 2**32))
     dispatch._warn_if_older_than_sources(str(module))
     assert caplog.text == ""
+
+
+@pytest.mark.slow
+def test_resuming_on_a_data_bin_of_another_dictionary_is_refused_and_nothing_is_lost(tmp_path):
+    """A tiny run on one synthetic data-bin, then resumes on one whose dictionary has the same size but
+    another order (other token ids), and on one with a smaller dictionary."""
+    import sys
+
+    from conftest import REPO, bin_path, run
+
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import fault_checkpoints
+
+    same = fault_checkpoints.make_data_bin(str(tmp_path / "a"), seed=0)
+    reordered = fault_checkpoints.make_data_bin(str(tmp_path / "b"), seed=5)
+    smaller = fault_checkpoints.make_data_bin(str(tmp_path / "c"), vocab=30)
+    save = tmp_path / "ckpt"
+    args = fault_checkpoints.TRAIN + ["--save-dir", str(save), "--user-dir", os.path.join(REPO, "ls_fairseq")]
+
+    def train(data_bin, max_update):
+        return run([bin_path("fairseq-train"), data_bin] + args + ["--max-update", str(max_update)])
+
+    proc = train(same, 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = {p.name: p.read_bytes() for p in save.glob("*.pt")}
+    proc = train(reordered, 6)
+    assert proc.returncode != 0
+    assert re.search(r"CheckpointMismatchError: checkpoint \S+checkpoint_last\.pt was trained with another source "
+                     r"dictionary than the data-bin's: 48 entries, sha256 \w+ there, 48 entries, sha256 \w+ here",
+                     proc.stderr), proc.stderr[-3000:]
+    proc = train(smaller, 6)
+    assert proc.returncode != 0
+    assert re.search(r"CheckpointMismatchError: checkpoint \S+checkpoint_last\.pt: its encoder\.embed_tokens\.weight "
+                     r"has 48 rows, the data-bin's source dictionary 40 entries", proc.stderr), proc.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in save.glob("*.pt")} == before
+    assert train(same, 6).returncode == 0

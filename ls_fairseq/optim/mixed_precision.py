@@ -163,8 +163,8 @@ class DeviceStepAdam(FairseqOptimizer):
         self.factor = 1.0
         self.reduced = False
         if self.scaler is None:
-            run = self.nonfinite_run[:1]
-            run.add_(1).mul_(slot(OVERFLOW))
+            run, overflow = self.nonfinite_run[:1], slot(OVERFLOW)
+            torch.addcmul(overflow, run, overflow, out=run)  # (run + 1) * overflow: 0 after a finite update
             torch.maximum(self.nonfinite_run[1:], run, out=self.nonfinite_run[1:])
         if self.check_at_step:
             self.check()
