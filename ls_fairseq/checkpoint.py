@@ -22,8 +22,10 @@ both go through ``replace_atomically``: the bytes go to ``<name>.tmp`` in the
 same folder, are flushed to the disk (fsync), and ``os.replace`` puts the file
 in place in one step; the folder is synced after it. A kill at any moment leaves
 every ``.pt`` file either its old or its new whole content, and at most a stale
-``.tmp`` file, which the next save of that name overwrites. Paths that only
-fairseq's PathManager can reach (no local rename) keep fairseq's own writing.
+``.tmp`` file, which the next save removes (one process, rank 0, writes a run's
+checkpoints, so any ``*.pt.tmp`` beside them was left by an interrupted save). Paths that only
+fairseq's PathManager can reach (no local rename) and
+``--write-checkpoints-asynchronously`` keep fairseq's own writing.
 
 A checkpoint that does not fit the model the command line builds fails with a
 message that says how (``check_model_state``, called by ls_transformer's
@@ -45,6 +47,7 @@ same allowlist, which stays as narrow as above.
 import argparse
 import functools
 import hashlib
+import logging
 import os
 import pickle
 import re
@@ -53,6 +56,8 @@ import signal
 import zipfile
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 FAIRSEQ_CHECKPOINT_TYPES = (argparse.Namespace,)
 
@@ -128,6 +133,13 @@ def _copy_into(src, dst):
     return write
 
 
+def _remove_stale_temporaries(folder):
+    for name in os.listdir(folder):
+        if name.endswith(".pt.tmp"):
+            os.remove(os.path.join(folder, name))
+            logger.info("removed %s, left by an interrupted checkpoint save", os.path.join(folder, name))
+
+
 def _atomic_persistent_save(save):
     """fairseq's ``checkpoint_utils.torch_persistent_save`` through ``replace_atomically``."""
 
@@ -137,6 +149,7 @@ def _atomic_persistent_save(save):
 
         if async_write or not PathManager.supports_rename(filename):
             return save(obj, filename, async_write=async_write)
+        _remove_stale_temporaries(os.path.dirname(os.path.abspath(filename)))
         replace_atomically(filename, lambda f: torch.save(obj, f), kind="save")
 
     torch_persistent_save.ls_fairseq_guarded = True

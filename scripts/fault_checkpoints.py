@@ -4,7 +4,8 @@ Each round starts a run in a save folder and SIGKILLs it: from ls_fairseq's faul
 hook (``LS_FAIRSEQ_TEST_KILL_AT``, see ls_fairseq/checkpoint.py ``fault_point``) at
 a chosen point of a checkpoint's write or copy, or from outside after a random delay.
 After every kill the script
-- loads every ``*.pt`` file in the folder (none may be truncated), checks that each
+- loads every ``*.pt`` file in the folder (none may be truncated), finds at most one
+  ``*.tmp`` (the interrupted write; the next save removes it), checks that each
   ``checkpoint_<epoch>_<updates>.pt`` holds the update count its name says, and that
   ``checkpoint_last.pt`` holds the update count of the last save that put it in place;
 - reads the next round's log: the run must resume from ``checkpoint_last.pt`` at
@@ -226,6 +227,7 @@ def run_rounds(cli, data_bin, save_dir, kills, hooked, seed=0, delay_range=(3.0,
             i, found.get("checkpoint_last.pt"), " or ".join(map(str, allowed)))
         expected = found.get("checkpoint_last.pt")
         tmp = sorted(os.path.basename(p) for p in glob.glob(os.path.join(save_dir, "*.tmp")))
+        assert len(tmp) <= 1, "round {}: stale temporaries {} (a save removes those of earlier kills)".format(i, tmp)
         say("round {:2d} {:6s} {:24s} -> checkpoint_last.pt @ {} updates, {} .pt files load{}, {:.1f} s".format(
             i, kind, (kill_at or "after {:.1f} s".format(delay)) + ": " + where, expected, len(found),
             ", stale " + " ".join(tmp) if tmp else "", time.time() - t0))

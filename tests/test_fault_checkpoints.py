@@ -27,6 +27,14 @@ def test_fairseqs_save_and_copy_go_through_the_atomic_replace(tmp_path):
         checkpoint_utils.PathManager.copy(first, last)
 
 
+def test_a_save_removes_the_temporaries_of_interrupted_saves(tmp_path):
+    (tmp_path / "checkpoint_3_90.pt.tmp").write_bytes(b"half a checkpoint")
+    (tmp_path / "checkpoint_last.pt.tmp").write_bytes(b"half a copy")
+    (tmp_path / "notes.tmp").write_bytes(b"not ours")
+    checkpoint_utils.torch_persistent_save({"w": torch.arange(3)}, str(tmp_path / "checkpoint_3_93.pt"))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_3_93.pt", "notes.tmp"]
+
+
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     path = str(tmp_path / "checkpoint_last.pt")
     torch.save({"w": torch.ones(3)}, path)
