@@ -19,6 +19,7 @@ debugging and for A/B checks on the GPU). The variable is read on every call
 (its parsing cached), so tests may change it.
 """
 import functools
+import glob
 import logging
 import os
 
@@ -39,10 +40,31 @@ OPS = (
     "adam",
 )
 
+def _warn_if_older_than_sources(module_file):
+    """A notice when the extension was built before the last change of a CUDA source beside it
+    (``pip install -e .`` or ``setup.py build_ext --inplace`` builds it into the tree): it may not
+    be what the tree's ops expect. By file times, so a checkout that rewrote a source with the same
+    bytes also shows it; the extension is used all the same. Not for an installed package (no
+    setup.py above it), whose files' times are those of the installation."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(package, "..", "setup.py")):
+        return
+    sources = glob.glob(os.path.join(package, "csrc", "*"))
+    built = os.path.getmtime(module_file)
+    newer = sorted(os.path.basename(f) for f in sources if os.path.getmtime(f) > built)
+    if newer:
+        logger.warning(
+            "ls_fairseq: the CUDA extension %s is older than %s in ls_fairseq/csrc; rebuild it "
+            "(pip install -e . or python setup.py build_ext --inplace) if those sources changed", module_file,
+            ", ".join(newer),
+        )
+
+
 try:
     import ls_fairseq._C as _C
 
     _C_ERROR = None
+    _warn_if_older_than_sources(_C.__file__)
 except ImportError as e:
     _C, _C_ERROR = None, str(e)
     if torch.cuda.is_available():
@@ -132,8 +154,11 @@ def upcast(t):
 
 def dropout_mask(shape, p, device):
     """A keep-mask (uint8, 1 = keep) drawn from torch's generator, so ``--seed``
-    fixes it. Kernels draw theirs from the same generator's Philox state."""
-    return torch.empty(shape, dtype=torch.uint8, device=device).bernoulli_(1.0 - p)
+    fixes it: 1 where a uniform integer in [0, 2^31) is below (1 - p) 2^31 (one integer
+    an element: half the time of ``bernoulli_`` on CPU). Kernels draw theirs from the same
+    generator's Philox state."""
+    bits = torch.empty(shape, dtype=torch.int32, device=device).random_()
+    return torch.lt(bits, round((1.0 - p) * 2**31)).view(torch.uint8)
 
 
 def save_with_dropout(ctx, tensors, dropout):
@@ -162,4 +187,4 @@ def apply_dropout(x, mask, p):
     elements are already zero (relu's backward from its output)."""
     if mask is None:
         return x if p == 0 else x * (1.0 / (1.0 - p))
-    return x * mask.to(x.dtype) * (1.0 / (1.0 - p))
+    return (x * mask).mul_(1.0 / (1.0 - p))

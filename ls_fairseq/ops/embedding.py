@@ -128,6 +128,11 @@ def embedding(tokens, positions, weight, pos_weight, scale, padding_idx, p=0.0, 
                 tokens.shape[1], pos_weight.shape[0]
             )
         )
+    if not tokens.is_cuda and tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < weight.shape[0]:
+        # on the host the check is cheap; GPU batches come from data that ls_fairseq.data_checks checked at load
+        bad = tokens[(tokens < 0) | (tokens >= weight.shape[0])]
+        raise ValueError("embedding: token id {} is outside the table of {} rows (the dictionary's size)".format(
+            int(bad[0]), weight.shape[0]))
     p = p if training else 0.0
     return EmbeddingFunction.apply(
         tokens.contiguous(), positions.contiguous(), weight, pos_weight, scale, padding_idx, p, mask if p > 0 else None
