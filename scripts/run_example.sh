@@ -67,22 +67,34 @@ else
   rm -rf "$CKPT" "$OUT/tensorboard" "$OUT/train.log"
 fi
 echo "run_example: training $WHAT on $WHERE for $UPDATES updates (test BLEU at the default $DEFAULT_UPDATES updates: $EXPECT)"
+progress() {  # fairseq's log on stdin -> a line of progress a log interval, and the validations
+  local start=$SECONDS line n loss e
+  while IFS= read -r line; do
+    case $line in
+      *" train_inner "*)
+        [[ $line =~ \ num_updates=([0-9]+) ]] && n=${BASH_REMATCH[1]}
+        [[ $line =~ \ loss=([^,]*) ]] && loss=${BASH_REMATCH[1]}
+        e=$(( SECONDS - start ))
+        printf 'run_example: update %5d / %d, %d:%02d elapsed, loss %s\n' "$n" "$UPDATES" $(( e / 60 )) $(( e % 60 )) "$loss" ;;
+      *" valid on "*)
+        [[ $line =~ \ num_updates\ ([0-9]+) ]] && n=${BASH_REMATCH[1]}
+        [[ $line =~ \|\ loss\ ([^ ]*) ]] && loss=${BASH_REMATCH[1]}
+        printf 'run_example: validation at update %s: loss %s\n' "$n" "$loss" ;;
+    esac
+  done
+}
 start=$SECONDS
-# fairseq's log goes whole to train.log; the terminal gets one line of progress a log interval.
+# fairseq's log goes whole to train.log; the terminal gets one line of progress a log interval
+# (PYTHONUNBUFFERED: as it is written, not in blocks of a pipe's buffer).
 # A checkpoint at --max-update already is not given to fairseq-train, which would take one more update.
 if [ "$DONE" -ge "$UPDATES" ]; then
   echo "run_example: the checkpoint has $DONE updates already; nothing to train"
-elif ! fairseq-train "$WORK/data-bin" --user-dir "$ROOT/ls_fairseq" "${MODEL[@]}" "${DEVICE[@]}" \
+elif ! PYTHONUNBUFFERED=1 fairseq-train "$WORK/data-bin" --user-dir "$ROOT/ls_fairseq" "${MODEL[@]}" "${DEVICE[@]}" \
   --share-all-embeddings --criterion ls_label_smoothed_cross_entropy --label-smoothing 0.1 \
   --optimizer ls_adam --adam-betas '(0.9,0.98)' --lr-scheduler inverse_sqrt \
   --clip-norm 1.0 --max-update "$UPDATES" \
   --save-dir "$CKPT" --no-epoch-checkpoints --tensorboard-logdir "$OUT/tensorboard" \
-  --log-format simple --log-interval 50 --seed 1 2>&1 | tee -a "$OUT/train.log" | awk -v total="$UPDATES" '
-    function after(key, sep) { return match($0, key sep "[^,| ]*") ? substr($0, RSTART + length(key sep), RLENGTH - length(key sep)) : "?" }
-    function now() { srand(); return srand() }  # POSIX awk: srand() returns the previous seed, the time of day
-    BEGIN { t0 = now() }
-    / train_inner / { w = now() - t0; printf "run_example: update %5d / %d, %d:%02d elapsed, loss %s\n", after(" num_updates", "="), total, w / 60, w % 60, after(" loss", "="); fflush() }
-    / valid on / { printf "run_example: validation at update %s: loss %s\n", after(" num_updates", " "), after(" loss", " "); fflush() }'; then
+  --log-format simple --log-interval 50 --seed 1 2>&1 | tee -a "$OUT/train.log" | progress; then
   echo "run_example: fairseq-train failed; the end of $OUT/train.log:" >&2
   tail -20 "$OUT/train.log" >&2
   exit 1
