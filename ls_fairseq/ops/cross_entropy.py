@@ -19,14 +19,13 @@ from ls_fairseq.ops import dispatch
 
 def cross_entropy_forward_reference(logits, target, epsilon, padding_idx):
     # torch's fused log_softmax: lp_j = logit_j - lse, so nll = -lp[target] and smooth = -sum_j lp_j;
-    # lse = logit_m - lp_m at the row's largest logit m, where lp_m = -log(sum_j exp(logit_j - logit_m))
+    # lse = max_j logit_j - max_j lp_j, where max_j lp_j = -log(sum_j exp(logit_j - max_j logit_j))
     # (logsumexp's own two terms, so no precision is lost)
     x = dispatch.upcast(logits)
     V = x.shape[-1]
     eps_i = epsilon / (V - 1)
     lp = torch.log_softmax(x, dim=-1)
-    lp_max, arg_max = lp.max(dim=-1, keepdim=True)
-    lse = (x.gather(-1, arg_max) - lp_max).squeeze(-1)
+    lse = x.amax(-1) - lp.amax(-1)
     nll = lp.gather(-1, target.unsqueeze(-1)).squeeze(-1).neg_()
     smooth = lp.sum(-1).neg_()
     loss = (1.0 - epsilon - eps_i) * nll + eps_i * smooth

@@ -172,8 +172,11 @@ def upcast(t):
 
 def dropout_mask(shape, p, device):
     """A keep-mask (uint8, 1 = keep) drawn from torch's generator, so ``--seed``
-    fixes it. Kernels draw theirs from the same generator's Philox state."""
-    return torch.empty(shape, dtype=torch.uint8, device=device).bernoulli_(1.0 - p)
+    fixes it: 1 where a uniform integer in [0, 2^31) is below (1 - p) 2^31 (one integer
+    an element: half the time of ``bernoulli_`` on CPU). Kernels draw theirs from the same
+    generator's Philox state."""
+    bits = torch.empty(shape, dtype=torch.int32, device=device).random_()
+    return torch.lt(bits, round((1.0 - p) * 2**31)).view(torch.uint8)
 
 
 def save_with_dropout(ctx, tensors, dropout):
@@ -202,4 +205,4 @@ def apply_dropout(x, mask, p):
     elements are already zero (relu's backward from its output)."""
     if mask is None:
         return x if p == 0 else x * (1.0 / (1.0 - p))
-    return x * mask.to(x.dtype) * (1.0 / (1.0 - p))
+    return (x * mask).mul_(1.0 / (1.0 - p))
