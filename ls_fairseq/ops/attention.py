@@ -9,7 +9,8 @@ q arrives already scaled (the qkv op folds 1/sqrt(d_head) in). Three paths:
   softmax's row term from the fp32 probabilities and dP, and adds nothing
   with atomics, so it is deterministic;
 - the LightSeq path: GEMM (cuBLAS) -> fused masked softmax + dropout -> GEMM;
-  the reference on CPU and the oracle everywhere. On the GPU, for rows beyond
+  the reference on CPU and the oracle everywhere (fp32 on CPU without dropout
+  takes torch's scaled_dot_product_attention, the same function in one kernel). On the GPU, for rows beyond
   the fused kernel where SDPA is not taken (below), it keeps only q, k, v and
   the dropout's state: its backward runs the scores' GEMM and the softmax
   again (the same keep-bits), where keeping the probabilities cost two
@@ -114,7 +115,26 @@ class ScoresFunction(torch.autograd.Function):
         return dq, dk
 
 
+def _fully_masked_row(mask, Tq, Tk):
+    """Whether some query row of ``mask`` (an AttentionMask or None) sees no key. Under the causal mask
+    query i sees keys j <= i + Tk - Tq, so the first row sees the fewest: keys 0 .. Tk - Tq."""
+    kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
+    if causal and Tq > Tk:
+        return True
+    if kpm is None:
+        return False
+    return bool(kpm[:, : Tk - Tq + 1 if causal else Tk].bool().all(-1).any())
+
+
 def attention_reference(q, k, v, mask=None, p=0.0, training=True, dropout_mask=None):
+    if (q.device.type == "cpu" and q.dtype == torch.float32 and (p == 0 or not training)
+            and not _fully_masked_row(mask, q.shape[-2], k.shape[-2])):
+        # fp32 on CPU without dropout: torch's fused attention computes this function in one kernel
+        # a direction (never writing the Tq x Tk probabilities), its backward's softmax row term
+        # rowsum(dO * O) in fp32 as well; a row that sees no key (zeros here) stays on the path below
+        attn_mask, is_causal = (mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask is not None
+                                else (None, False))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=1.0)
     scores = ScoresFunction.apply(q, k)
     kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
     probs = softmax(scores, kpm, causal, p, training, dropout_mask)

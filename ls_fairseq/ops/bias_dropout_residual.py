@@ -14,7 +14,7 @@ from ls_fairseq.ops.dispatch import _C
 def bias_dropout_residual_forward_reference(x, bias, residual, p, mask):
     if p > 0 and mask is None:
         mask = dispatch.dropout_mask(x.shape, p, x.device)
-    y = dispatch.apply_dropout(dispatch.upcast(x) + dispatch.upcast(bias), mask, p) + dispatch.upcast(residual)
+    y = dispatch.apply_dropout(dispatch.upcast(x) + dispatch.upcast(bias), mask, p).add_(dispatch.upcast(residual))
     return y.to(x.dtype), mask
 
 

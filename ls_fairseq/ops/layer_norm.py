@@ -1,8 +1,9 @@
 """LayerNorm over the last dimension, one reduction pass (LightSeq2).
 
-Forward reduces sum(x - s) and sum((x - s)^2) together, with s = the row's
-first element as a shift: var = E[(x-s)^2] - E[x-s]^2 stays accurate when
-|mean| >> std (the cancellation guard), and the row is read once. eps is
+The kernel's forward reduces sum(x - s) and sum((x - s)^2) together, with s =
+the row's first element as a shift: var = E[(x-s)^2] - E[x-s]^2 stays accurate
+when |mean| >> std (the cancellation guard), and the row is read once. The
+reference is torch's fused LayerNorm on the fp32 (fp64) values. eps is
 fairseq's 1e-5. Statistics (mean, rstd) are fp32; backward needs x, gamma and
 them, nothing else.
 """
@@ -13,31 +14,25 @@ from ls_fairseq.ops.dispatch import _C
 
 
 def layer_norm_forward_reference(x, weight, bias, eps):
-    xf = dispatch.upcast(x)
-    shift = xf[..., :1]
-    d = xf - shift
-    m1 = d.mean(-1, keepdim=True)
-    m2 = (d * d).mean(-1, keepdim=True)
-    var = (m2 - m1 * m1).clamp_min(0.0)
-    mean = m1 + shift
-    rstd = torch.rsqrt(var + eps)
-    y = (xf - mean) * rstd * dispatch.upcast(weight) + dispatch.upcast(bias)
-    return y.to(x.dtype), mean.squeeze(-1), rstd.squeeze(-1)
+    # torch's fused LayerNorm on the math dtype's values: the statistics the kernel's one pass gives,
+    # computed by torch's own (Welford) reduction, which needs no shift to survive a large mean
+    stat = x.shape[:-1]
+    y, mean, rstd = torch.native_layer_norm(dispatch.upcast(x), (x.shape[-1],), dispatch.upcast(weight),
+                                            dispatch.upcast(bias), eps)
+    return y.to(x.dtype), mean.reshape(stat), rstd.reshape(stat)
 
 
 def layer_norm_backward_reference(dy, x, weight, mean, rstd, dweight_into=None, dbias_into=None):
     # xhat = (x - mean) * rstd, g = dy * gamma
-    # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (both means in one pass)
-    # dgamma = sum_tokens dy * xhat, dbeta = sum_tokens dy
-    H = x.shape[-1]
-    dyf = dispatch.upcast(dy).reshape(-1, H)
-    xhat = (dispatch.upcast(x).reshape(-1, H) - mean.reshape(-1, 1)) * rstd.reshape(-1, 1)
-    g = dyf * dispatch.upcast(weight)
-    dx = rstd.reshape(-1, 1) * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-    dweight = (dyf * xhat).sum(0)
-    dbias = dyf.sum(0)
+    # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+    # dgamma = sum_tokens dy * xhat, dbeta = sum_tokens dy   (torch's fused LayerNorm backward)
+    stat = x.shape[:-1] + (1,)
+    w = dispatch.upcast(weight)
+    dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
+        dispatch.upcast(dy), dispatch.upcast(x), (x.shape[-1],), mean.reshape(stat), rstd.reshape(stat), w, w,
+        [True, True, True])
     return (
-        dx.reshape(x.shape).to(x.dtype),
+        dx.to(x.dtype),
         dispatch.gradient(dweight, weight.dtype, dweight_into),
         dispatch.gradient(dbias, weight.dtype, dbias_into),
     )
