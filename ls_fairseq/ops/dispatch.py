@@ -40,6 +40,7 @@ OPS = (
     "adam",
 )
 
+
 def _warn_if_older_than_sources(module_file):
     """A notice when the extension was built before the last change of a CUDA source beside it
     (``pip install -e .`` or ``setup.py build_ext --inplace`` builds it into the tree): it may not
