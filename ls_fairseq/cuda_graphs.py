@@ -1,8 +1,8 @@
 """The training step's forward and backward replayed from CUDA graphs, one per batch shape.
 
 On the H200 the host's side of an ls_transformer step (Python, autograd and ~800
-kernel launches) takes longer than the GPU's side (42 ms against 25 ms for
-transformer-big at 8,192 tokens: docs/perf-log.md), so the GPU idles. A captured
+kernel launches) takes longer than the GPU's side for transformer-big
+(docs/perf-log.md), so the GPU idles. A captured
 graph launches the same kernels from one call. ``ls-fairseq-train
 --ls-cuda-graphs`` wraps the task's ``train_step`` in ``GraphedTrainStep``:
 

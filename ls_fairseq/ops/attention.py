@@ -13,9 +13,9 @@ q arrives already scaled (the qkv op folds 1/sqrt(d_head) in). Three paths:
   takes torch's scaled_dot_product_attention, the same function in one kernel). On the GPU, for rows beyond
   the fused kernel where SDPA is not taken (below), it keeps only q, k, v and
   the dropout's state: its backward runs the scores' GEMM and the softmax
-  again (the same keep-bits), where keeping the probabilities cost two
-  [B, heads, Tq, Tk] tensors a layer (at 16,384 tokens the cross-attention of
-  a batch of long sentences held 744 MiB at the memory peak: docs/perf-log.md);
+  again (the same keep-bits), because keeping the probabilities costs two
+  [B, heads, Tq, Tk] tensors a layer, which set the memory peak of batches of
+  long sentences (docs/perf-log.md);
 - torch's scaled_dot_product_attention for longer rows, which never writes the
   Tq x Tk scores either. Taken on CUDA unless the ``attention`` op is forced to
   the reference (LS_FAIRSEQ_REFERENCE), a deterministic training step is asked
@@ -27,13 +27,13 @@ q arrives already scaled (the qkv op folds 1/sqrt(d_head) in). Three paths:
   probabilities and dP. ls_transformer asks for it in cross-attention, where
   stock fairseq computes the probabilities explicitly in fp32 (its
   self-attention goes through SDPA, as ours does beyond the fused kernel's
-  rows): measured on the H200 (docs/perf-log.md), SDPA there gave the top
-  decoder layer's cross-attention query gradients 1.5-2.8x stock's error
-  against fp64 (pre-LN, unscaled shared embeddings). Its FlashAttention and
-  memory-efficient kernels only: torch prefers cuDNN's attention on Hopper,
-  which builds an execution plan for every new batch shape (about 10 ms of
-  host time per call, measured on the H200: docs/perf-log.md), so a first
-  epoch, where nearly every batch has a new shape, ran 7x slower than the next.
+  rows), because SDPA's 16-bit row term gave the top decoder layer's
+  cross-attention query gradients a larger error against fp64 than stock's
+  (docs/perf-log.md). SDPA runs with its FlashAttention and memory-efficient
+  kernels only: torch prefers cuDNN's attention on Hopper, which builds an
+  execution plan on the host for every new batch shape, so a first epoch,
+  where nearly every batch has a new shape, ran several times slower than the
+  next.
 """
 import contextlib
 

@@ -9,8 +9,8 @@ log-sum-exp [B, heads, Tq] in fp32, the kernel's keep-mask never (its backward
 draws the keep-bits again). The backward takes the scores and the log-sum-exp and
 computes the probabilities again in fp32, as stock fairseq's softmax keeps them for
 its backward: the 16-bit probabilities' rounding, in the row term sum_j dp_j P_j,
-gave the cross-attention's query gradients 1.2x stock's error against fp64
-(csrc/softmax.cu's header). With dropout, the kernel scales a kept probability
+gave the cross-attention's query gradients a larger error against fp64 than
+stock's (csrc/softmax.cu's header). With dropout, the kernel scales a kept probability
 in fp32 and rounds it once; this reference, as stock fairseq, rounds the
 probabilities to the scores' dtype first (the two an ulp apart at most).
 """
