@@ -16,11 +16,13 @@ import ls_fairseq.ops
 from ls_fairseq.ops import dispatch
 
 NO_KERNEL = "torch on every device (no kernel of its own)"
+NOT_OPS = ("dispatch", "workspace")
 
 
 def ops():
-    """Every op: ``dispatch.OPS`` in its order, then the other modules of ``ls_fairseq.ops``."""
-    modules = sorted(m.name for m in pkgutil.iter_modules(ls_fairseq.ops.__path__) if m.name != "dispatch")
+    """Every op: ``dispatch.OPS`` in its order, then the other modules of ``ls_fairseq.ops`` (not the
+    op machinery: ``dispatch``, ``workspace``)."""
+    modules = sorted(m.name for m in pkgutil.iter_modules(ls_fairseq.ops.__path__) if m.name not in NOT_OPS)
     return list(dispatch.OPS) + [m for m in modules if m not in dispatch.OPS]
 
 

@@ -45,8 +45,8 @@ def fake_gpu(monkeypatch):
     ext.__file__ = "/somewhere/ls_fairseq/_C.so"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(info, "gpu_name", lambda: "Test GPU")
-    monkeypatch.setattr(dispatch, "_ext", ext)
-    monkeypatch.setattr(dispatch, "_ext_error", None)
+    monkeypatch.setattr(dispatch, "_C", ext)
+    monkeypatch.setattr(dispatch, "_C_ERROR", None)
     monkeypatch.delenv("LS_FAIRSEQ_REFERENCE", raising=False)
 
 
@@ -77,7 +77,7 @@ def test_every_module_of_ops_is_listed():
 
     import ls_fairseq.ops
 
-    modules = {m.name for m in pkgutil.iter_modules(ls_fairseq.ops.__path__)} - {"dispatch"}
+    modules = {m.name for m in pkgutil.iter_modules(ls_fairseq.ops.__path__)} - set(info.NOT_OPS)
     assert set(info.ops()) == modules | set(dispatch.OPS)
     assert info.ops()[:len(dispatch.OPS)] == list(dispatch.OPS)
 
@@ -107,8 +107,8 @@ def test_forced_references(fake_gpu, monkeypatch):
 
 
 def test_gpu_without_extension(fake_gpu, monkeypatch):
-    monkeypatch.setattr(dispatch, "_ext", None)
-    monkeypatch.setattr(dispatch, "_ext_error", "cannot import name '_C' from 'ls_fairseq'")
+    monkeypatch.setattr(dispatch, "_C", None)
+    monkeypatch.setattr(dispatch, "_C_ERROR", "cannot import name '_C' from 'ls_fairseq'")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "ls_fairseq._C" else real(name, *a))
@@ -120,8 +120,8 @@ def test_gpu_without_extension(fake_gpu, monkeypatch):
 
 
 def test_built_but_not_loadable(fake_gpu, monkeypatch):
-    monkeypatch.setattr(dispatch, "_ext", None)
-    monkeypatch.setattr(dispatch, "_ext_error", "libcudart.so.12: cannot open shared object file")
+    monkeypatch.setattr(dispatch, "_C", None)
+    monkeypatch.setattr(dispatch, "_C_ERROR", "libcudart.so.12: cannot open shared object file")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "ls_fairseq._C" else real(name, *a))

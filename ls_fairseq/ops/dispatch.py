@@ -20,6 +20,7 @@ debugging and for A/B checks on the GPU). The variable is read on every call
 """
 import functools
 import glob
+import inspect
 import logging
 import os
 
@@ -65,7 +66,7 @@ try:
     import ls_fairseq._C as _C
 
     _C_ERROR = None
-    _warn_if_older_than_sources(_C.__file__)
+    _warn_if_older_than_sources(inspect.getfile(_C))
 except ImportError as e:
     _C, _C_ERROR = None, str(e)
     if torch.cuda.is_available():
