@@ -14,11 +14,15 @@ from ls_fairseq.ops.dispatch import _C
 
 
 def layer_norm_forward_reference(x, weight, bias, eps):
-    # torch's fused LayerNorm on the math dtype's values: the statistics the kernel's one pass gives,
-    # computed by torch's own (Welford) reduction, which needs no shift to survive a large mean
+    # torch's fused LayerNorm on the math dtype's values, each row shifted by its first element first:
+    # LayerNorm does not change under a shift, and torch's CPU statistics lose about three digits of
+    # rstd in fp32 when a row's mean is 1e5 times its spread; the shifted row's mean is near zero
     stat = x.shape[:-1]
-    y, mean, rstd = torch.native_layer_norm(dispatch.upcast(x), (x.shape[-1],), dispatch.upcast(weight),
+    xm = dispatch.upcast(x)
+    shift = xm[..., :1]
+    y, mean, rstd = torch.native_layer_norm(xm - shift, (x.shape[-1],), dispatch.upcast(weight),
                                             dispatch.upcast(bias), eps)
+    mean = mean + shift
     return y.to(x.dtype), mean.reshape(stat), rstd.reshape(stat)
 
 
