@@ -303,23 +303,23 @@ def markdown(result):
              "{device}, torch {torch}; {timing}".format(**result["meta"]), "",
              "ms: median per call; TF/s: 2mnk over it; step ms: count x bf16 ms; share: of the step's "
              "summed bf16 GEMM time; x: bf16 ms over _scaled_mm's (e4m3 operands; for the gradients' GEMMs "
-             "also dy in e5m2); prep: torch-op FP8 casts of the operands (+ the beta = 1 add) a call; "
+             "also dy in e5m2); fast-accum: e4m3 forward with use_fast_accum; prep: torch-op FP8 casts of the operands (+ the beta = 1 add) a call; "
              "fc1 fwd epilogue: _addmm_activation (bias + ReLU) / addmm then relu_, bf16.", ""]
     for size in result["sizes"]:
         s = size["summary"]
         lines += ["## {tokens} target tokens, {src_tokens} source tokens".format(**size), "",
                   "| GEMM | pass | (M, N, K) | layout, call | n | bf16 ms | TF/s | fp16 ms | TF/s | step ms | share "
-                  "| e4m3 ms | TF/s | x | e5m2 dy ms | x | prep ms | fc1 epilogue / addmm+relu ms |",
+                  "| e4m3 ms | TF/s | x | fast-accum ms | e5m2 dy ms | x | prep ms | fc1 epilogue / addmm+relu ms |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
-                  "| --- | --- |"]
+                  "| --- | --- | --- |"]
         for r in size["rows"]:
             lines.append("| {} | {} | ({}, {}, {}) | {}, {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} "
-                         "| {} | {} | {} |".format(
+                         "| {} | {} | {} | {} |".format(
                              r["name"], r["phase"], r["m"], r["n"], r["k"], r["layout"], r["call"], r["count"],
                              fmt(r["bf16_ms"]), fmt_tf(r["bf16_tflops"]), fmt(r["fp16_ms"]),
                              fmt_tf(r["fp16_tflops"]), fmt(r["bf16_step_ms"], "{:.2f}"),
                              fmt(100 * r["bf16_share"], "{:.1f}%"), fmt(r["e4m3_ms"]), fmt_tf(r["e4m3_tflops"]),
-                             fmt(r["e4m3_speedup_vs_bf16"], "{:.2f}"), fmt(r.get("e5m2_ms")),
+                             fmt(r["e4m3_speedup_vs_bf16"], "{:.2f}"), fmt(r.get("e4m3_fast_ms")), fmt(r.get("e5m2_ms")),
                              fmt(r.get("e5m2_speedup_vs_bf16"), "{:.2f}"), fmt(fp8_prep_ms(r, "e4m3")),
                              "{} / {}".format(fmt(r["bf16_bias_relu_epilogue_ms"]), fmt(r["bf16_addmm_relu_ms"]))
                              if "bf16_bias_relu_epilogue_ms" in r else "-"))
