@@ -1,0 +1,39 @@
+"""scripts/fuzz_ops.py on the CPU, where both sides run the references: the script runs every op,
+writes its results and exits 0; a replay runs the one case; an unknown op is refused by name."""
+import json
+import os
+import sys
+
+from conftest import REPO, run
+
+SCRIPT = os.path.join(REPO, "scripts", "fuzz_ops.py")
+
+
+def test_every_op_runs_and_reports(tmp_path):
+    proc = run([sys.executable, SCRIPT, "--device", "cpu", "--cases", "3", "--seed", "11", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    from ls_fairseq.ops import dispatch
+
+    assert list(results["ops"]) == list(dispatch.OPS) and results["seed"] == 11
+    for op, r in results["ops"].items():
+        assert r["cases"] == 3 and r["mismatches"] == 0 and 0 < r["worst_ratio"] <= 1, (op, r)
+    cases = [json.loads(line) for line in (tmp_path / "cases.jsonl").read_text().splitlines()]
+    assert len(cases) == 3 * len(dispatch.OPS) and all(c["checks"] for c in cases)
+    assert proc.stdout.strip().splitlines()[-1].startswith("adam ")  # the table comes last
+
+
+def test_a_replay_runs_the_one_case_with_the_same_draws(tmp_path):
+    params = []
+    for sub in ("a", "b"):
+        proc = run([sys.executable, SCRIPT, "--device", "cpu", "--seed", "11", "--ops", "softmax", "--case", "2",
+                    "--out", str(tmp_path / sub)])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (case,) = [json.loads(line) for line in (tmp_path / sub / "cases.jsonl").read_text().splitlines()]
+        params.append((case["case"], case["params"], case["checks"]))
+    assert params[0] == params[1] and params[0][0] == 2
+
+
+def test_an_unknown_op_is_named(tmp_path):
+    proc = run([sys.executable, SCRIPT, "--device", "cpu", "--ops", "softmax,gemm", "--out", str(tmp_path)])
+    assert proc.returncode == 2 and "unknown op(s) gemm" in proc.stderr
