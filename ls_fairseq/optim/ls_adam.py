@@ -213,8 +213,8 @@ class WorkspaceAdam(torch.optim.Optimizer):
                 )
             )
         self.num_steps = int(state["step"])
-        pass
-        pass
+        self.exp_avg.copy_(state["exp_avg"])
+        self.exp_avg_sq.copy_(state["exp_avg_sq"])
         if "master" in state and self.master is not None:
             self.master.copy_(state["master"])
         elif "master" in state and ws.param.dtype == torch.float32:
