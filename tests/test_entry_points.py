@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 from conftest import USER_DIR, bin_path, run
-from helpers import assert_close, rel_error
+from helpers import rel_error
 from test_cli import ONE_GPU, TRAIN
 
 import ls_fairseq  # noqa: F401 (allowlists the checkpoint types for torch.load below)
@@ -37,13 +37,14 @@ def logged(log, kind):
     return lines
 
 
-def assert_same_figures(plugin, stock, what):
-    """The same figures, in the stock lines' order: each a number; the plugin's lines add the
-    ``skipped`` count. Figures of speed and wall time are left out."""
+def assert_same_figures(plugin, stock, what, kind):
+    """The same figures, each a number: the plugin's training lines add the ``skipped`` count, its
+    validation lines nothing. Figures of speed, wall time and memory are left out of the comparison
+    (the two optimizers keep different buffers)."""
     assert len(plugin) == len(stock), what
     for p, s in zip(plugin, stock):
-        assert set(p) - set(s) <= {"skipped"} and set(s) <= set(p), (what, p, s)
-        for key in set(s) - {"wps", "ups", "wpb", "bsz", "train_wall", "wall", "mfu", "gb_free"}:
+        assert set(p) - set(s) <= ({"skipped"} if kind != "valid" else set()) and set(s) <= set(p), (what, p, s)
+        for key in set(s) - {"wps", "ups", "wpb", "bsz", "train_wall", "wall", "mfu", "gb_free", "gpu_peak_gib"}:
             if key in ("epoch", "valid"):
                 assert p[key] == s[key], (what, key)
                 continue
@@ -68,39 +69,38 @@ def assert_same_checkpoint(plugin, stock, what, fp16):
     assert sa["state"]["step"] == sb["state"]["step"] == hb["num_updates"], what
     assert set(a["model"]) == set(b["model"]), what
     assert all(a["model"][k].dtype == v.dtype and a["model"][k].shape == v.shape for k, v in b["model"].items()), what
-    err = rel_error(*(torch.cat([m[k].reshape(-1) for k in b["model"]]) for m in (a, b)))
-    print("DIAGM", what, err)
+    err = rel_error(*(torch.cat([m["model"][k].float().reshape(-1) for k in b["model"]]) for m in (a, b)))
+    assert err <= (1e-3 if fp16 else 1e-5), (what, "model", err)
     for k in ("exp_avg", "exp_avg_sq"):
         assert sa["state"][k].dtype == sb["state"][k].dtype == torch.float32 and sa["state"][k].shape == sb["state"][k].shape
         err = rel_error(sa["state"][k], sb["state"][k])
-        print("DIAG", what, k, err)
         assert err <= (1e-2 if fp16 else 1e-5), (what, k, err)
 
 
+# the loss scale doubles every 2 updates: a scale not resumed shows in the logs and checkpoints
+SCALE = ["--fp16-init-scale", "4", "--fp16-scale-window", "2"]
 PRECISIONS = {
     "fp32": [],
-    # the loss scale doubles every 2 updates: a scale not resumed shows in the logs and checkpoints
-    "memory-efficient-fp16": ["--memory-efficient-fp16", "--fp16-init-scale", "4", "--fp16-scale-window", "2"],
+    "memory-efficient-fp16": ["--memory-efficient-fp16"] + SCALE,
     # fairseq's FP16Optimizer keeps its flat fp32 copy on a GPU (torch.cuda.current_device()): on the CPU it
     # runs only with a copy per parameter
-    "fp16-no-flatten-grads": ["--fp16", "--fp16-no-flatten-grads", "--fp16-init-scale", "4",
-                              "--fp16-scale-window", "2"],
+    "fp16-no-flatten-grads": ["--fp16", "--fp16-no-flatten-grads"] + SCALE,
+    "fp16": ["--fp16"] + SCALE,
 }
 
 
 @pytest.mark.parametrize(
     "device,precision",
-    [("cpu", p) for p in PRECISIONS] + [pytest.param("cuda", "fp16", marks=pytest.mark.gpu)],
+    [("cpu", p) for p in PRECISIONS if p != "fp16"] + [pytest.param("cuda", "fp16", marks=pytest.mark.gpu)],
 )
 def test_each_entry_point_resumes_the_others_checkpoints(data_bin, tmp_path, device, precision):
-    """4 updates under fairseq-train, resumed to 8 under ls-fairseq-train, go on as fairseq-train's 8
-    straight; that checkpoint of ls-fairseq-train's, resumed to 12 under fairseq-train, goes on as
-    under ls-fairseq-train. The same logged figures (update count, learning rate, loss, gnorm, clip,
+    """4 updates under fairseq-train, resumed to 8 under ls-fairseq-train, go on as under fairseq-train;
+    that checkpoint of ls-fairseq-train's, resumed to 12 under fairseq-train, goes on as under
+    ls-fairseq-train. The same logged figures (update count, learning rate, loss, gnorm, clip,
     loss scale) in the interval lines, the epoch's and validation's (ls-fairseq-train's validation
     lines carry validation figures only), and the same checkpoint: optimizer name and state, moments,
     loss scale, schedule, model. On a GPU, --fp16: fairseq's FP16Optimizer with its flat fp32 copy."""
-    flags = PRECISIONS.get(precision, ["--fp16", "--fp16-init-scale", "4", "--fp16-scale-window", "2"])
-    args = (TRAIN if device == "cpu" else ONE_GPU) + flags + ["--log-interval", "2", "--no-epoch-checkpoints"]
+    args = (TRAIN if device == "cpu" else ONE_GPU) + PRECISIONS[precision] + ["--log-interval", "2", "--no-epoch-checkpoints"]
     fp16 = precision != "fp32"
 
     def resume(entry, save, source, updates):
@@ -109,25 +109,22 @@ def test_each_entry_point_resumes_the_others_checkpoints(data_bin, tmp_path, dev
         assert re.search(r"Loaded checkpoint .*\(epoch 1 @ {} updates\)".format(updates - 4), log), log[-3000:]
         return log
 
-    def compare(plugin, stock, what, since):
+    def compare(plugin, stock, what):
         for kind in ("train_inner", "valid", "train"):
-            lines = logged(stock[1], kind)
-            if kind == "train_inner":  # the plugin's run logs the intervals since the resume
-                lines = [line for line in lines if int(line["num_updates"]) > since]
-            assert_same_figures(logged(plugin[1], kind), lines, "{}: {}".format(what, kind))
+            assert_same_figures(logged(plugin[1], kind), logged(stock[1], kind), "{}: {}".format(what, kind), kind)
         assert_same_checkpoint(tmp_path / plugin[0] / "checkpoint_last.pt", tmp_path / stock[0] / "checkpoint_last.pt",
                                what, fp16)
 
     train(STOCK, data_bin, tmp_path / "stock", *args, "--max-update", "4")
-    straight = "straight", train(STOCK, data_bin, tmp_path / "straight", *args, "--max-update", "8")
+    stock = "stock_stock", resume(STOCK, "stock_stock", "stock", 8)
     plugin = "plugin", resume(PLUGIN, "plugin", "stock", 8)
-    compare(plugin, straight, "fairseq-train's checkpoint resumed by ls-fairseq-train", since=4)
+    compare(plugin, stock, "fairseq-train's checkpoint resumed by ls-fairseq-train")
     if fp16:  # doubled every 2 updates from 4, across the resume
         assert [float(line["loss_scale"]) for line in logged(plugin[1], "train_inner")] == [4 * 2**3, 4 * 2**4]
 
     stock = "from_plugin_stock", resume(STOCK, "from_plugin_stock", "plugin", 12)
     plugin = "from_plugin_plugin", resume(PLUGIN, "from_plugin_plugin", "plugin", 12)
-    compare(plugin, stock, "ls-fairseq-train's checkpoint resumed by fairseq-train", since=8)
+    compare(plugin, stock, "ls-fairseq-train's checkpoint resumed by fairseq-train")
 
 
 def ls_options():

@@ -10,7 +10,7 @@ from helpers import DEVICES, assert_close
 from omegaconf import OmegaConf
 from test_ls_adam import data, loss_of, small_model
 
-from ls_fairseq.ops.adam import GOOD_STEPS, LOSS_SCALE, OVERFLOW, STEP
+from ls_fairseq.ops.adam import GOOD_STEPS, LOSS_SCALE, STEP
 from ls_fairseq.ops.workspace import grad_in_place
 from ls_fairseq.optim import ls_adam
 from ls_fairseq.optim.ls_adam import LSAdam, LSAdamConfig
@@ -208,14 +208,14 @@ FAIRSEQ_WRAPPERS = {
 
 
 def fairseq_wrapper(name, model, cfg, monkeypatch):
-    """The optimizer fairseq's trainer builds for these flags (Trainer._build_optimizer), on the CPU."""
+    """The optimizer fairseq's trainer builds for these flags (Trainer._build_optimizer)."""
     params = list(model.parameters())
     if name == "LSAdam":
         return LSAdam(cfg.optimizer, params)
     if name == "MemoryEfficientFP16Optimizer":
         return MemoryEfficientFP16Optimizer(cfg, params, LSAdam(cfg.optimizer, params))
-    # FP16Optimizer keys its flat fp32 copy by the GPU it is on: here the CPU tensors' device index
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    if params[0].device.type == "cpu":  # FP16Optimizer keys its flat fp32 copy by the GPU it is on: here None
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
     fp32 = FP16Optimizer.build_fp32_params(cfg.optimizer, params, flatten=not cfg.common.fp16_no_flatten_grads)
     inner = LSAdam(cfg.optimizer, list(fp32.values()) if isinstance(fp32, dict) else fp32)
     return FP16Optimizer(cfg, params, inner, fp32)
@@ -237,8 +237,9 @@ def assert_same_state(actual, expected, what, exact=True):
             assert_close(actual["state"][k], v, rtol=1e-5, atol=1e-8, what="{}: {}".format(what, k))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("wrapper", list(FAIRSEQ_WRAPPERS))
-def test_checkpoints_of_both_entry_points_resume_under_the_other(wrapper, monkeypatch):
+def test_checkpoints_of_both_entry_points_resume_under_the_other(wrapper, device, monkeypatch):
     """fairseq-train's optimizer (ls_adam in fairseq's wrapper) and ls-fairseq-train's (DeviceStepAdam) for the
     same flags: the same recorded name, the same state, and each resumes from the other's state as the
     writer itself would: the moments, step count and loss scale read bit for bit, and five more steps
@@ -249,9 +250,9 @@ def test_checkpoints_of_both_entry_points_resume_under_the_other(wrapper, monkey
         "fairseq": lambda model: fairseq_wrapper(wrapper, model, cfg, monkeypatch),
         "ls": lambda model: DeviceStepAdam.build_optimizer(cfg, list(model.parameters())),
     }
-    assert type(build["ls"](small_model(dtype))).__name__ == wrapper.split(",")[0]
+    assert type(build["ls"](small_model(dtype, device))).__name__ == wrapper.split(",")[0]
     for writer, reader in (("fairseq", "ls"), ("ls", "fairseq")):
-        model = small_model(dtype)
+        model = small_model(dtype, device)
         opt = build[writer](model)
         scales = set()
         for step in range(6):
@@ -264,7 +265,7 @@ def test_checkpoints_of_both_entry_points_resume_under_the_other(wrapper, monkey
             assert "loss_scale" not in saved
         ends = {}
         for who in (writer, reader):
-            resumed = small_model(dtype)
+            resumed = small_model(dtype, device)
             resumed.load_state_dict(saved_model)
             opt = build[who](resumed)
             opt.load_state_dict(copy.deepcopy(saved))
