@@ -28,6 +28,7 @@ import glob
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,7 +55,9 @@ CLIS = ("fairseq-train", "ls-fairseq-train")
 
 
 def bin_path(name):
-    return os.path.join(os.path.dirname(sys.executable), name)
+    # the interpreter's own console script, else the one on PATH
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    return beside if os.path.exists(beside) else shutil.which(name) or beside
 
 
 def make_data_bin(root, pairs=240, valid=16, vocab=40, seed=0):

@@ -25,6 +25,13 @@ build=$?
 echo "build rc=$build in $(( $(date +%s) - t0 ))s"
 if [ $build != 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# where the checkout is not pip-installed, the console script as pip would have made it
+if ! command -v ls-fairseq-train > /dev/null; then
+  mkdir -p /tmp/ls_fairseq_bin
+  printf '#!/usr/bin/env python3\nimport sys\nfrom ls_fairseq.train import cli_main\nsys.exit(cli_main())\n' > /tmp/ls_fairseq_bin/ls-fairseq-train
+  chmod +x /tmp/ls_fairseq_bin/ls-fairseq-train
+  export PATH=/tmp/ls_fairseq_bin:$PATH
+fi
 python3 -m ls_fairseq.info 2>&1 | grep -v tensorboardX | tee "$OUT/info.log"
 t0=$(date +%s)
 # four processes side by side on the one GPU: the three fairseq-train tests that take 30-60 s

@@ -1,5 +1,6 @@
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -85,8 +86,10 @@ def run(cmd, **kw):
 
 
 def bin_path(name):
-    """A console script of the interpreter running the tests (fairseq-train, ...)."""
-    return os.path.join(os.path.dirname(sys.executable), name)
+    """A console script of the interpreter running the tests (fairseq-train, ...), else the one on PATH
+    (where fairseq is importable without being installed, its scripts live elsewhere)."""
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    return beside if os.path.exists(beside) else shutil.which(name) or beside
 
 
 @pytest.fixture(scope="session")
