@@ -72,7 +72,8 @@ def assert_same_checkpoint(plugin, stock, what, fp16):
     err = rel_error(*(torch.cat([m["model"][k].float().reshape(-1) for k in b["model"]]) for m in (a, b)))
     assert err <= (1e-3 if fp16 else 1e-5), (what, "model", err)
     for k in ("exp_avg", "exp_avg_sq"):
-        assert sa["state"][k].dtype == sb["state"][k].dtype == torch.float32 and sa["state"][k].shape == sb["state"][k].shape
+        assert sa["state"][k].dtype == sb["state"][k].dtype == torch.float32, (what, k)
+        assert sa["state"][k].shape == sb["state"][k].shape, (what, k)
         err = rel_error(sa["state"][k], sb["state"][k])
         assert err <= (1e-2 if fp16 else 1e-5), (what, k, err)
 
@@ -100,7 +101,8 @@ def test_each_entry_point_resumes_the_others_checkpoints(data_bin, tmp_path, dev
     loss scale) in the interval lines, the epoch's and validation's (ls-fairseq-train's validation
     lines carry validation figures only), and the same checkpoint: optimizer name and state, moments,
     loss scale, schedule, model. On a GPU, --fp16: fairseq's FP16Optimizer with its flat fp32 copy."""
-    args = (TRAIN if device == "cpu" else ONE_GPU) + PRECISIONS[precision] + ["--log-interval", "2", "--no-epoch-checkpoints"]
+    args = (TRAIN if device == "cpu" else ONE_GPU) + PRECISIONS[precision]
+    args += ["--log-interval", "2", "--no-epoch-checkpoints"]
     fp16 = precision != "fp32"
 
     def resume(entry, save, source, updates):

@@ -138,7 +138,8 @@ def test_resume_is_bit_identical_with_the_loss_scale(device):
         for step in range(first + 1, 14):
             train_step(b, opt_b, step)
         assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters())), first
-        assert torch.equal(opt_a.state[[LOSS_SCALE, STEP, GOOD_STEPS]], opt_b.state[[LOSS_SCALE, STEP, GOOD_STEPS]]), first
+        scaler = [LOSS_SCALE, STEP, GOOD_STEPS]
+        assert torch.equal(opt_a.state[scaler], opt_b.state[scaler]), first
 
 
 def test_minimum_loss_scale_stops_training_when_checked():
