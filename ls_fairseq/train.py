@@ -1,6 +1,10 @@
 """``ls-fairseq-train``: fairseq-train with the plugin loaded, and bf16 on GPUs.
 
-The same command line as fairseq-train. Five differences:
+The same command line as fairseq-train. Six differences:
+- ``--help`` lists every option that the command line's components take: those
+  of the architecture (``--arch``), task, criterion, optimizer and learning-rate
+  scheduler (fairseq's help stops before it adds them), then the options of the
+  plugin's own components that the command line did not choose (``print_help``);
 - ``--user-dir`` pointing at this package is added when it is not given;
 - the trainer is ``ls_fairseq.trainer.LSTrainer`` (fairseq's, with ls_adam's
   mixed-precision step decided on the device: no host sync inside an update);
@@ -17,6 +21,7 @@ The same command line as fairseq-train. Five differences:
   batch) once, not again at every epoch boundary while the GPU waits
   (``ls_fairseq.batching.collate_first_batch_once``).
 """
+import argparse
 import logging
 import os
 import queue
@@ -33,10 +38,74 @@ def with_user_dir(argv):
     return list(argv) + ["--user-dir", PLUGIN_DIR]
 
 
+def plugin_components():
+    """(registry, name, class, dataclass) of each model, criterion, optimizer, ... that the plugin registers
+    with fairseq (the plugin must be imported: ``--user-dir``)."""
+    from fairseq.models import MODEL_DATACLASS_REGISTRY, MODEL_REGISTRY
+    from fairseq.registry import REGISTRIES
+
+    registries = [("model", MODEL_REGISTRY, MODEL_DATACLASS_REGISTRY)]
+    registries += [(kind, r["registry"], r["dataclass_registry"]) for kind, r in REGISTRIES.items()]
+    return [
+        (kind, name, cls, dataclasses.get(name))
+        for kind, registry, dataclasses in registries
+        for name, cls in registry.items()
+        if cls.__module__.split(".")[0] == __package__
+    ]
+
+
+class _ComponentsAdded(Exception):
+    pass
+
+
+def print_help(argv, file=None):
+    """fairseq-train's help for the command line ``argv`` (``--help`` left out) with the options of its
+    components, which fairseq's own ``--help`` stops before adding: fairseq's parser is taken at the
+    point where it has them all (its ``modify_parser`` hook, called again just before the final parse).
+    Then, under a heading each, the options of the plugin's components that ``argv`` did not choose."""
+    from fairseq import options
+    from fairseq.dataclass.utils import gen_parser_from_dataclass
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    parser = options.get_training_parser()
+    command_line = []  # its choices, read at the hook's first call, before fairseq adds their options
+
+    def stop_when_complete(p):
+        if command_line:  # the second call: the chosen components' options are in
+            raise _ComponentsAdded
+        command_line.append(p.parse_known_args(argv)[0])
+        if command_line[0].arch is None:  # without --arch fairseq adds no component's options
+            raise _ComponentsAdded
+
+    try:
+        options.parse_args_and_arch(parser, input_args=argv, modify_parser=stop_when_complete)
+    except _ComponentsAdded:
+        pass
+    parser.print_help(file)
+    args = command_line[0]
+    chosen = {"model": ARCH_MODEL_REGISTRY.get(args.arch)}
+    for kind, name, cls, dataclass in plugin_components():
+        if chosen.get(kind, getattr(args, kind, None)) in (name, cls):
+            continue
+        flag = "--arch {}*".format(name) if kind == "model" else "--{} {}".format(kind.replace("_", "-"), name)
+        section = argparse.ArgumentParser(add_help=False, usage=argparse.SUPPRESS,
+                                          formatter_class=parser.formatter_class)
+        group = section.add_argument_group("{} {} ({}, not chosen here)".format(kind, name, flag))
+        if hasattr(cls, "add_args"):
+            cls.add_args(group)
+        elif dataclass is not None:
+            gen_parser_from_dataclass(group, dataclass())
+        print("\n" + section.format_help(), end="", file=file)
+
+
 def parse_args(argv):
-    """fairseq-train's parsed options for ``argv``, with bf16 kept off the TPU path."""
+    """fairseq-train's parsed options for ``argv``, with bf16 kept off the TPU path. With ``-h`` or
+    ``--help`` in ``argv``: prints every option (``print_help``) and exits."""
     from fairseq import options
 
+    if "-h" in argv or "--help" in argv:
+        print_help([a for a in argv if a not in ("-h", "--help")])
+        sys.exit(0)
     args = options.parse_args_and_arch(options.get_training_parser(), input_args=argv)
     if args.bf16 and "--tpu" not in argv:
         args.tpu = False

@@ -23,13 +23,24 @@ batches are sized by their padded lengths (ls_fairseq/batching.py).
 
 Logged per interval, as fairseq does: ``gnorm`` (mean over the steps that were
 taken), ``clip`` (percentage of those that were clipped), ``loss_scale`` (fp16),
-and ``skipped``: the number of steps left out because of inf/NaN gradients.
+and ``skipped``: the number of steps left out because of inf/NaN gradients; the
+validation lines carry validation figures only, as fairseq's do.
+
+Checkpoints hold what fairseq's trainer writes for the same flags: the optimizer
+under the name and with the state of fairseq's wrapper around ls_adam
+(ls_fairseq/optim/mixed_precision.py), and fairseq's meters: the gradient-norm
+sums kept on the device here are saved as fairseq's ``gnorm`` and ``clip``
+averages, and read back from them (``as_fairseq_meters``, ``as_device_meters``).
+So ``fairseq-train --user-dir ls_fairseq`` and ``ls-fairseq-train`` resume each
+other's checkpoints, with the update count, learning-rate schedule, Adam
+moments, loss scale and the interval's and epoch's figures.
 """
 from itertools import chain
 
 import torch
 import torch.distributed as dist
 from fairseq.logging import metrics
+from fairseq.logging.meters import MetersDict
 from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 
@@ -44,6 +55,43 @@ def _mean_over_taken_steps(key, scale=1.0):
         return round(scale * float(meters[key].sum) / float(taken), 3) if taken > 0 else 0.0
 
     return derive
+
+
+# LSTrainer's meters of the steps' gradient norms: sums of device values (a skipped step's norm counts
+# 0), which the host reads only when fairseq logs; fairseq's trainer keeps host averages instead
+DEVICE_METERS = ("_steps", "skipped", "_gnorm", "_clipped")
+# fairseq's trainer's averages: key -> (priority, rounding, LSTrainer's sum, scale of one step's value)
+FAIRSEQ_AVERAGES = {"gnorm": (400, 3, "_gnorm", 1.0), "clip": (500, 1, "_clipped", 100.0)}
+
+
+def as_fairseq_meters(meters):
+    """One aggregator's saved meters (``MetersDict.state_dict()``: (priority, key, class, state)), with
+    LSTrainer's gradient-norm sums as the averages fairseq's trainer keeps over the steps taken (gnorm;
+    clip: 100 or 0 per step). The count of skipped steps is left out: fairseq's trainer keeps none."""
+    saved = {key: state for _, key, _, state in meters}
+    out = [m for m in meters if m[1] not in DEVICE_METERS]
+    if "_steps" not in saved:
+        return out
+    taken = int(float(saved["_steps"]["sum"]) - float(saved["skipped"]["sum"] if "skipped" in saved else 0))
+    for key, (priority, digits, total, scale) in FAIRSEQ_AVERAGES.items():
+        if total in saved:
+            value = scale * float(saved[total]["sum"])
+            state = {"val": value / taken if taken else None, "sum": value, "count": taken, "round": digits}
+            out.append((priority, key, "AverageMeter", state))
+    return out
+
+
+def as_device_meters(meters):
+    """The inverse of ``as_fairseq_meters``: fairseq's trainer's gnorm and clip averages as LSTrainer's
+    sums (every step they count was taken)."""
+    out = [m for m in meters if not (m[1] in FAIRSEQ_AVERAGES and m[2] == "AverageMeter")]
+    for _, key, cls, state in meters:
+        if key in FAIRSEQ_AVERAGES and cls == "AverageMeter":
+            _, _, total, scale = FAIRSEQ_AVERAGES[key]
+            out.append((10, total, "SumMeter", {"sum": state["sum"] / scale, "round": None}))
+            if key == "gnorm":
+                out.append((10, "_steps", "SumMeter", {"sum": state["count"], "round": None}))
+    return out
 
 
 def sum_over_workers(data, device, group=None, host_group=None):
@@ -139,18 +187,36 @@ class LSTrainer(Trainer):
         logging_outputs = [{k: data["logging_outputs_" + k] for k in keys}] if logging_outputs else []
         return logging_outputs, [data["extra_stats_{}".format(i)] for i in range(len(extra_stats_to_sum))]
 
+    def state_dict(self):
+        state = super().state_dict()
+        if self.device_step:
+            saved = state["extra_state"]["metrics"]
+            state["extra_state"]["metrics"] = type(saved)((name, as_fairseq_meters(m)) for name, m in saved.items())
+        return state
+
+    def load_checkpoint(self, *args, **kwargs):
+        extra_state = super().load_checkpoint(*args, **kwargs)
+        if extra_state is not None and self.device_step:  # the meters of fairseq's trainer as LSTrainer's
+            for name in metrics.state_dict():
+                meters = metrics.get_meters(name)
+                if any(not isinstance(meters[k], MetersDict._DerivedMeter) for k in ("gnorm", "clip") if k in meters):
+                    meters.load_state_dict(as_device_meters(meters.state_dict()))
+        return extra_state
+
     def _reduce_and_log_stats(self, logging_outputs, sample_size, grad_norm=None):
         if not self.device_step:
             return super()._reduce_and_log_stats(logging_outputs, sample_size, grad_norm)
-        opt = self.optimizer
-        metrics.log_speed("ups", 1.0, priority=100, round=2)
-        metrics.log_scalar_sum("_steps", 1)
-        metrics.log_scalar_sum("skipped", opt.overflow, priority=450, round=0)
-        norm = torch.nan_to_num(opt.grad_norm, nan=0.0, posinf=0.0, neginf=0.0)
-        metrics.log_scalar_sum("_gnorm", norm)
-        metrics.log_derived("gnorm", _mean_over_taken_steps("_gnorm"), priority=400)
-        if self.cfg.optimization.clip_norm > 0:
-            metrics.log_scalar_sum("_clipped", (norm > self.cfg.optimization.clip_norm).float())
-            metrics.log_derived("clip", _mean_over_taken_steps("_clipped", 100.0), priority=500)
+        if grad_norm is not None:  # a training step's (validation passes none)
+            opt = self.optimizer
+            metrics.log_speed("ups", 1.0, priority=100, round=2)
+            metrics.log_scalar_sum("_steps", 1)
+            metrics.log_scalar_sum("skipped", opt.overflow, priority=450, round=0)
+            norm = torch.nan_to_num(opt.grad_norm, nan=0.0, posinf=0.0, neginf=0.0)
+            metrics.log_scalar_sum("_gnorm", norm)
+            metrics.log_derived("gnorm", _mean_over_taken_steps("_gnorm"), priority=FAIRSEQ_AVERAGES["gnorm"][0])
+            if self.cfg.optimization.clip_norm > 0:
+                metrics.log_scalar_sum("_clipped", (norm > self.cfg.optimization.clip_norm).float())
+                clip = _mean_over_taken_steps("_clipped", 100.0)
+                metrics.log_derived("clip", clip, priority=FAIRSEQ_AVERAGES["clip"][0])
         self.task.reduce_metrics(logging_outputs, self.get_criterion())
         return {"sample_size": sample_size}

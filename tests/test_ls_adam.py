@@ -165,11 +165,75 @@ def test_state_dict_resume_is_bit_identical():
         assert torch.equal(pa, pb)
 
 
+def test_state_in_the_flat_layout_of_fp16_optimizers_fp32_parameter():
+    """fairseq's FP16Optimizer (--fp16) hands ls_adam the model's parameters as one flat fp32 parameter,
+    so ls_adam there writes its state laid out as their concatenation. A workspace over the parameters
+    themselves writes that layout too (state_dict(flat=True)) and reads it: a resume from it goes on as
+    the flat one does, bit for bit."""
+    model = small_model()
+    _, per_param = optimizers(small_model(), model, wd=0.01)
+    flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    _, over_flat = optimizers(small_model(), torch.nn.ParameterList([flat]), wd=0.01)
+    sizes = [p.numel() for p in model.parameters()]
+    assert len(set(sizes)) > 1 and any(n % 16 for n in sizes)  # the two layouts differ
+
+    def step(i, models_and_optimizers):
+        x, y = data(i)
+        for m, opt in models_and_optimizers:
+            opt.zero_grad()
+            loss_of(m, x, y).backward()
+            over_flat.optimizer.workspace.grad[: sum(sizes)] += torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+            opt.step()
+        over_flat.step()
+        over_flat.zero_grad()
+
+    for i in range(4):
+        step(i, [(model, per_param)])
+    written, expected = per_param.optimizer.state_dict(flat=True), over_flat.state_dict()
+    assert written["param_groups"] == expected["param_groups"] and set(written["state"]) == set(expected["state"])
+    for k, v in expected["state"].items():
+        assert torch.equal(written["state"][k], v) if torch.is_tensor(v) else written["state"][k] == v, k
+
+    resumed = small_model()
+    resumed.load_state_dict(model.state_dict())
+    _, reader = optimizers(small_model(), resumed, wd=0.01)
+    reader.load_state_dict(copy.deepcopy(over_flat.state_dict()))
+    for i in range(4, 6):
+        step(i, [(resumed, reader)])
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in resumed.parameters()]), flat.detach())
+    assert torch.equal(reader.optimizer.state_dict(flat=True)["state"]["exp_avg_sq"], over_flat.optimizer.exp_avg_sq)
+
+
+def test_a_saved_master_copy_is_taken_by_fp32_parameters():
+    """ls-fairseq-train --fp16 saves its fp32 master copy; ls_adam under fairseq's FP16Optimizer, whose fp32
+    copy of the parameters is ls_adam's own workspace, resumes from it instead of the rounded fp16 model."""
+    half = small_model(torch.float16)
+    opt = LSAdam(LSAdamConfig(lr=[1e-3]), list(half.parameters()), fp32_master=True)
+    x, y = data(0, torch.float16)
+    opt.zero_grad()
+    loss_of(half, x, y).backward()
+    opt.step()
+    saved = opt.state_dict()
+    assert not torch.equal(saved["state"]["master"], opt.workspace.param.float())  # the master is finer
+    fp32 = small_model()
+    reader = LSAdam(LSAdamConfig(lr=[1e-3]), list(fp32.parameters()))
+    reader.load_state_dict(saved)
+    assert torch.equal(reader.workspace.param, saved["state"]["master"])
+    again = LSAdam(LSAdamConfig(lr=[1e-3]), list(small_model(torch.float16).parameters()), fp32_master=True)
+    del saved["state"]["master"]
+    again.load_state_dict(saved)  # none saved: rebuilt from the parameters
+    assert torch.equal(again.optimizer.master, again.workspace.param.float())
+
+
 def test_mismatched_state_is_a_clear_error():
     _, opt = optimizers(small_model(), small_model())
     state = opt.state_dict()
     state["state"]["exp_avg"] = torch.zeros(3)
-    with pytest.raises(ValueError, match="--reset-optimizer"):
+    with pytest.raises(ValueError, match=r"checkpoint \(3 elements over 4 parameters\).*--reset-optimizer"):
+        opt.load_state_dict(state)
+    state = opt.state_dict()
+    state["state"]["momentum_buffer"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="holds momentum_buffer.*--reset-optimizer"):
         opt.load_state_dict(state)
 
 

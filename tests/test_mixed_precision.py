@@ -5,12 +5,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fairseq.optim.fp16_optimizer import MemoryEfficientFP16Optimizer
+from fairseq.optim.fp16_optimizer import FP16Optimizer, MemoryEfficientFP16Optimizer
 from helpers import DEVICES, assert_close
 from omegaconf import OmegaConf
 from test_ls_adam import data, loss_of, small_model
 
-from ls_fairseq.ops.adam import LOSS_SCALE, OVERFLOW, STEP
+from ls_fairseq.ops.adam import GOOD_STEPS, LOSS_SCALE, STEP
 from ls_fairseq.ops.workspace import grad_in_place
 from ls_fairseq.optim import ls_adam
 from ls_fairseq.optim.ls_adam import LSAdam, LSAdamConfig
@@ -119,21 +119,27 @@ def test_a_non_finite_step_changes_nothing_but_the_scale(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_resume_is_bit_identical_with_the_loss_scale(device):
+    """A resume from each step of a run with a moving loss scale goes on bit for bit: from a step
+    inside a scale window too, where the scaler must go on counting towards the next doubling."""
     a = small_model(torch.float16, device)
     opt_a = device_step(a, master=True)
-    for step in range(10):
+    saved = []
+    for step in range(14):
         train_step(a, opt_a, step)
-        if step == 4:
-            saved_model, saved_opt = copy.deepcopy(a.state_dict()), copy.deepcopy(opt_a.state_dict())
-    assert saved_opt["loss_scale"] != INIT_SCALE  # the scale moved, and is saved
-    b = small_model(torch.float16, device)
-    b.load_state_dict(saved_model)
-    opt_b = device_step(b, master=True)
-    opt_b.load_state_dict(saved_opt)
-    for step in range(5, 10):
-        train_step(b, opt_b, step)
-    assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
-    assert torch.equal(opt_a.state[[LOSS_SCALE, STEP]], opt_b.state[[LOSS_SCALE, STEP]])
+        if step >= 3:
+            saved.append((step, copy.deepcopy(a.state_dict()), copy.deepcopy(opt_a.state_dict())))
+    assert {s["loss_scale"] for _, _, s in saved} != {INIT_SCALE}  # the scale moved, and is saved
+    assert any(s["good_steps"] > 0 for _, _, s in saved)
+    for first, saved_model, saved_opt in saved[:-1]:
+        b = small_model(torch.float16, device)
+        b.load_state_dict(saved_model)
+        opt_b = device_step(b, master=True)
+        opt_b.load_state_dict(saved_opt)
+        for step in range(first + 1, 14):
+            train_step(b, opt_b, step)
+        assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters())), first
+        scaler = [LOSS_SCALE, STEP, GOOD_STEPS]
+        assert torch.equal(opt_a.state[scaler], opt_b.state[scaler]), first
 
 
 def test_minimum_loss_scale_stops_training_when_checked():
@@ -145,16 +151,20 @@ def test_minimum_loss_scale_stops_training_when_checked():
         opt.scaler.check()
 
 
+def trainer_cfg(ddp_backend="legacy_ddp", world_size=2, update_freq=4, **common):
+    """The parts of fairseq's configuration that its trainer's optimizers and DeviceStepAdam read."""
+    flags = dict(fp16=False, bf16=False, memory_efficient_fp16=False, memory_efficient_bf16=False,
+                 fp16_no_flatten_grads=False, fp16_scale_window=None, fp16_init_scale=128, fp16_scale_tolerance=0.0,
+                 threshold_loss_scale=None, min_loss_scale=1e-4, model_parallel_size=1)
+    flags.update(common)
+    return OmegaConf.create({"common": flags, "optimizer": adam_cfg(),
+                             "distributed_training": {"distributed_world_size": world_size, "ddp_backend": ddp_backend},
+                             "optimization": {"update_freq": [update_freq]}})
+
+
 def test_precision_flags_choose_master_weights_and_scaling(monkeypatch):
     def build(dtype, ddp_backend="legacy_ddp", **common):
-        flags = dict(fp16=False, bf16=False, memory_efficient_fp16=False, memory_efficient_bf16=False,
-                     fp16_scale_window=None, fp16_init_scale=128, fp16_scale_tolerance=0.0, threshold_loss_scale=None,
-                     min_loss_scale=1e-4, model_parallel_size=1)
-        flags.update(common)
-        cfg = OmegaConf.create({"common": flags, "optimizer": adam_cfg(),
-                                "distributed_training": {"distributed_world_size": 2, "ddp_backend": ddp_backend},
-                                "optimization": {"update_freq": [4]}})
-        return DeviceStepAdam.build_optimizer(cfg, list(small_model(dtype).parameters()))
+        return DeviceStepAdam.build_optimizer(trainer_cfg(ddp_backend, **common), list(small_model(dtype).parameters()))
 
     fp16 = build(torch.float16, fp16=True)
     assert fp16.adam.optimizer.master is not None  # --fp16: fp32 master weights, as fairseq's FP16Optimizer
@@ -186,3 +196,94 @@ def test_bytes_per_parameter(master, limit):
     buffers = [opt.workspace.param, opt.workspace.grad, adam.exp_avg, adam.exp_avg_sq, adam.master]
     total = sum(t.numel() * t.element_size() for t in buffers if t is not None)
     assert limit - 0.01 < total / count <= limit + 0.01
+
+
+# the precision flags of fairseq-train (fairseq's trainer builds the optimizer named on the left around
+# ls_adam) and the parameters' dtype
+FAIRSEQ_WRAPPERS = {
+    "LSAdam": (torch.float32, {}),
+    "MemoryEfficientFP16Optimizer": (torch.float16, dict(fp16=True, memory_efficient_fp16=True)),
+    "FP16Optimizer": (torch.float16, dict(fp16=True)),
+    "FP16Optimizer, --fp16-no-flatten-grads": (torch.float16, dict(fp16=True, fp16_no_flatten_grads=True)),
+}
+
+
+def fairseq_wrapper(name, model, cfg, monkeypatch):
+    """The optimizer fairseq's trainer builds for these flags (Trainer._build_optimizer)."""
+    params = list(model.parameters())
+    if name == "LSAdam":
+        return LSAdam(cfg.optimizer, params)
+    if name == "MemoryEfficientFP16Optimizer":
+        return MemoryEfficientFP16Optimizer(cfg, params, LSAdam(cfg.optimizer, params))
+    if params[0].device.type == "cpu":  # FP16Optimizer keys its flat fp32 copy by the GPU it is on: here None
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    fp32 = FP16Optimizer.build_fp32_params(cfg.optimizer, params, flatten=not cfg.common.fp16_no_flatten_grads)
+    inner = LSAdam(cfg.optimizer, list(fp32.values()) if isinstance(fp32, dict) else fp32)
+    return FP16Optimizer(cfg, params, inner, fp32)
+
+
+def assert_same_state(actual, expected, what, exact=True):
+    """Every entry fairseq's optimizer writes, written alike (DeviceStepAdam adds its master copy and its
+    scaler's good-step count)."""
+    assert set(expected) <= set(actual) <= set(expected) | {"good_steps"}, what
+    assert set(expected["state"]) <= set(actual["state"]) <= set(expected["state"]) | {"master"}, what
+    assert actual["param_groups"] == expected["param_groups"], what
+    assert actual.get("loss_scale") == expected.get("loss_scale"), what
+    for k, v in expected["state"].items():
+        if not torch.is_tensor(v):
+            assert actual["state"][k] == v, (what, k)
+        elif exact:
+            assert torch.equal(actual["state"][k], v), (what, k)
+        else:
+            assert_close(actual["state"][k], v, rtol=1e-5, atol=1e-8, what="{}: {}".format(what, k))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("wrapper", list(FAIRSEQ_WRAPPERS))
+def test_checkpoints_of_both_entry_points_resume_under_the_other(wrapper, device, monkeypatch):
+    """fairseq-train's optimizer (ls_adam in fairseq's wrapper) and ls-fairseq-train's (DeviceStepAdam) for the
+    same flags: the same recorded name, the same state, and each resumes from the other's state as the
+    writer itself would: the moments, step count and loss scale read bit for bit, and five more steps
+    end where the writer's own resume ends."""
+    dtype, flags = FAIRSEQ_WRAPPERS[wrapper]
+    cfg = trainer_cfg(world_size=1, update_freq=1, fp16_scale_window=WINDOW, fp16_init_scale=INIT_SCALE, **flags)
+    build = {
+        "fairseq": lambda model: fairseq_wrapper(wrapper, model, cfg, monkeypatch),
+        "ls": lambda model: DeviceStepAdam.build_optimizer(cfg, list(model.parameters())),
+    }
+    assert type(build["ls"](small_model(dtype, device))).__name__ == wrapper.split(",")[0]
+    for writer, reader in (("fairseq", "ls"), ("ls", "fairseq")):
+        model = small_model(dtype, device)
+        opt = build[writer](model)
+        scales = set()
+        for step in range(6):
+            train_step(model, opt, step)
+            scales.add(float(opt.scaler.loss_scale) if dtype == torch.float16 else None)
+        saved_model, saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+        if dtype == torch.float16:
+            assert len(scales) > 1 and saved["loss_scale"] in scales  # the scale moved, and is saved
+        else:
+            assert "loss_scale" not in saved
+        ends = {}
+        for who in (writer, reader):
+            resumed = small_model(dtype, device)
+            resumed.load_state_dict(saved_model)
+            opt = build[who](resumed)
+            opt.load_state_dict(copy.deepcopy(saved))
+            if who == reader:  # what the reader read, bit for bit
+                read = opt.state_dict()
+                ls_state, fairseq_state = (read, saved) if who == "ls" else (saved, read)
+                assert_same_state(ls_state, fairseq_state, "{} read by {}".format(writer, reader))
+                if who == "fairseq" and "master" in saved["state"]:  # FP16Optimizer's fp32 copy: the master's
+                    assert torch.equal(opt.fp32_optimizer.optimizer.workspace.param, saved["state"]["master"])
+            for step in range(6, 11):
+                train_step(resumed, opt, step)
+            ends[who] = resumed, opt.state_dict()
+        (a, state_a), (b, state_b) = ends[writer], ends[reader]
+        what = "{} resumed by {}".format(writer, reader)
+        ls_state, fairseq_state = (state_b, state_a) if reader == "ls" else (state_a, state_b)
+        assert_same_state(ls_state, fairseq_state, what, exact=False)
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            # the clip coefficients differ by fairseq's 1e-6 in the norm: one unit of fp16 at most
+            rtol = 1e-6 if dtype == torch.float32 else 2.0**-10
+            assert_close(pb.float(), pa.float(), rtol=rtol, atol=1e-7, what=what)

@@ -54,6 +54,10 @@ class LSAdamConfig(FairseqDataclass):
     lr: List[float] = II("optimization.lr")
 
 
+def padded(n):
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
 class Workspace:
     """Flat parameter and gradient buffers; each parameter and its gradient become views."""
 
@@ -71,7 +75,7 @@ class Workspace:
         total = 0
         for p in params:
             self.offsets.append(total)
-            total += (p.numel() + ALIGN - 1) // ALIGN * ALIGN
+            total += padded(p.numel())
         dtype, device = params[0].dtype, params[0].device
         self.param = torch.zeros(total, dtype=dtype, device=device)
         self.grad = torch.zeros(total, dtype=dtype, device=device)
@@ -91,6 +95,27 @@ class Workspace:
     def zero_grad(self):
         self.grad.zero_()
         self.attach_grads()
+
+    def flat_size(self):
+        """The size of a workspace over one parameter, these parameters' flat concatenation (fairseq's
+        FP16Optimizer hands ls_adam that one under --fp16)."""
+        return padded(sum(p.numel() for p in self.params))
+
+    def to_flat(self, t):
+        """``t``, laid out as this workspace, in the layout of the workspace over the flat concatenation:
+        each parameter's elements follow the previous one's, the padding comes at the end."""
+        return torch.cat([t[off : off + p.numel()] for p, off in zip(self.params, self.offsets)] + [
+            t.new_zeros(self.flat_size() - sum(p.numel() for p in self.params))
+        ])
+
+    def from_flat(self, t):
+        """The inverse of ``to_flat``: ``t``, laid out as the flat concatenation, in this workspace's layout."""
+        out = t.new_zeros(self.param.numel())
+        start = 0
+        for p, off in zip(self.params, self.offsets):
+            out[off : off + p.numel()] = t[start : start + p.numel()]
+            start += p.numel()
+        return out
 
 
 class WorkspaceAdam(torch.optim.Optimizer):
@@ -149,29 +174,53 @@ class WorkspaceAdam(torch.optim.Optimizer):
         )
         return loss
 
-    def state_dict(self):
+    def state_dict(self, flat=False):
+        """Adam's step count, moments and, where kept, the fp32 master copy, as flat tensors in this
+        workspace's layout (one entry per parameter in ``param_groups``); ``flat``: in the layout of a
+        workspace over the parameters' flat concatenation, as ls_adam under fairseq's FP16Optimizer
+        (--fp16) writes them."""
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        groups[0]["params"] = list(range(len(self.workspace.params)))
+        groups[0]["params"] = [0] if flat else list(range(len(self.workspace.params)))
         state = {"step": self.num_steps, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         if self.master is not None:
             state["master"] = self.master
+        if flat:
+            state = {k: self.workspace.to_flat(v) if torch.is_tensor(v) else v for k, v in state.items()}
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict):
+        """Reads what ``state_dict`` writes, in either layout. A saved master copy is the parameters'
+        exact value: the master copy takes it, or, where the workspace holds fp32 parameters itself
+        (fairseq's FP16Optimizer's fp32 copy), the parameters. Without one a master copy is rebuilt
+        from the parameters, as fairseq's FP16Optimizer builds its fp32 copy."""
         state = state_dict["state"]
-        if set(state) - {"step", "exp_avg", "exp_avg_sq", "master"} or state["exp_avg"].numel() != self.exp_avg.numel():
+        saved_params = sum(len(g["params"]) for g in state_dict["param_groups"])
+        ws = self.workspace
+        unknown = set(state) - {"step", "exp_avg", "exp_avg_sq", "master"}
+        if unknown:
             raise ValueError(
-                "ls_adam: the optimizer state in this checkpoint does not match this model's workspace "
-                "({} elements expected); use --reset-optimizer to start a fresh optimizer".format(self.exp_avg.numel())
+                "ls_adam: the optimizer state in this checkpoint holds {}, which ls_adam does not write; use "
+                "--reset-optimizer to start a fresh optimizer".format(", ".join(sorted(map(str, unknown))))
+            )
+        if saved_params == 1 < len(ws.params) and state["exp_avg"].numel() == ws.flat_size():
+            state = {k: ws.from_flat(v) if torch.is_tensor(v) else v for k, v in state.items()}
+        if state["exp_avg"].numel() != self.exp_avg.numel():
+            raise ValueError(
+                "ls_adam: the optimizer state in this checkpoint ({} elements over {} parameters) does not match "
+                "this model's workspace ({} elements over {} parameters, or {} as one flat parameter); use "
+                "--reset-optimizer to start a fresh optimizer".format(
+                    state["exp_avg"].numel(), saved_params, self.exp_avg.numel(), len(ws.params), ws.flat_size()
+                )
             )
         self.num_steps = int(state["step"])
         self.exp_avg.copy_(state["exp_avg"])
         self.exp_avg_sq.copy_(state["exp_avg_sq"])
-        if self.master is not None:
-            if "master" in state:
-                self.master.copy_(state["master"])
-            else:
-                self.master.copy_(self.workspace.param)
+        if "master" in state and self.master is not None:
+            self.master.copy_(state["master"])
+        elif "master" in state and ws.param.dtype == torch.float32:
+            ws.param.copy_(state["master"])
+        elif self.master is not None:
+            self.master.copy_(ws.param)
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
 

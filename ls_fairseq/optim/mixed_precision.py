@@ -32,6 +32,17 @@ Differences from fairseq's wrappers, all for the sake of no host sync:
   step: skipped steps change neither) and reruns the step to name the module
   where a NaN first appears;
 - ``--fp16-scale-tolerance`` is not supported (it must stay 0, fairseq's default).
+
+Checkpoints are those of ``fairseq-train --user-dir ls_fairseq`` for the same
+flags: the optimizer's recorded name is that of the fairseq optimizer around
+ls_adam (``LSAdam`` in fp32, ``FP16Optimizer`` for --fp16/--bf16,
+``MemoryEfficientFP16Optimizer`` for the memory-efficient flags), and its state
+is ls_adam's there: with ``loss_scale`` in fp16, and under --fp16 in the layout
+of fairseq's one flat fp32 parameter (unless --fp16-no-flatten-grads). The fp32
+master copy is saved too (fairseq's FP16Optimizer saves none and rebuilds it from
+the model; so does DeviceStepAdam when a checkpoint has none), and ls_adam under
+FP16Optimizer resumes from it. So either entry point resumes the other's
+checkpoints with the update count, learning-rate schedule, moments and loss scale.
 """
 import torch
 from fairseq.optim import FairseqOptimizer
@@ -71,12 +82,16 @@ class DeviceLossScaler:
 
 
 class DeviceStepAdam(FairseqOptimizer):
-    """ls_adam whose loss scaling, clipping and overflow skipping happen on the device."""
+    """ls_adam whose loss scaling, clipping and overflow skipping happen on the device.
 
-    def __init__(self, cfg, adam: LSAdam, scaler_args=None):
+    ``flat_state``: the state is written in the layout of ls_adam under fairseq's FP16Optimizer,
+    which hands it the parameters as one flat fp32 parameter (--fp16)."""
+
+    def __init__(self, cfg, adam: LSAdam, scaler_args=None, flat_state=False):
         super().__init__(cfg)
         self.adam = adam
         self._optimizer = adam.optimizer
+        self.flat_state = flat_state
         device = adam.workspace.grad.device
         self.state = ops.new_scaler_state(scaler_args["init_scale"] if scaler_args else 1.0, device)
         self.scaler = None
@@ -100,15 +115,16 @@ class DeviceStepAdam(FairseqOptimizer):
         # autograd's own accumulation, which LSAdam leaves it whenever torch.distributed is initialised)
         legacy = cfg.distributed_training.ddp_backend in LEGACY_DDP_BACKENDS
         adam = LSAdam(cfg.optimizer, params, fp32_master=fp32_master, grad_hooks=False if legacy else None)
+        named = NAMED_AS_FAIRSEQ[fairseq_optimizer_name(common)]
         if not common.fp16:
-            return cls(cfg.optimizer, adam)
+            return named(cfg.optimizer, adam)
         if common.fp16_scale_tolerance:
             raise ValueError("ls-fairseq-train's device loss scaler needs --fp16-scale-tolerance 0 (fairseq's default)")
         scale_window = common.fp16_scale_window
         if scale_window is None:  # fairseq's default for its own scaler
-            world = cfg.distributed_training.distributed_world_size * common.model_parallel_size
-            scale_window = int(2**14 / world / cfg.optimization.update_freq[0])
-        return cls(
+            data_parallel = int(cfg.distributed_training.distributed_world_size / common.model_parallel_size)
+            scale_window = int(2**14 / data_parallel / cfg.optimization.update_freq[0])
+        return named(
             cfg.optimizer,
             adam,
             dict(
@@ -117,6 +133,7 @@ class DeviceStepAdam(FairseqOptimizer):
                 scale_floor=common.threshold_loss_scale or 0.0,
                 min_loss_scale=common.min_loss_scale,
             ),
+            flat_state=not memory_efficient and not common.fp16_no_flatten_grads,
         )
 
     @property
@@ -193,13 +210,19 @@ class DeviceStepAdam(FairseqOptimizer):
         self.factor /= self.adam.sum_grads_over_workers()
 
     def state_dict(self):
+        """What ls_adam under fairseq's wrapper for the same flags writes: ls_adam's state (here with the
+        fp32 master copy, which fairseq's FP16Optimizer does not save and rebuilds from the model) and,
+        with a loss scale, ``loss_scale``; and ``good_steps``, the steps since the scale last changed,
+        which fairseq's scaler does not save (it counts anew after a resume) and its readers ignore."""
         self._optimizer.num_steps = int(self.state[STEP].item())
-        state_dict = self._optimizer.state_dict()
-        state_dict["loss_scale"] = self.state[LOSS_SCALE].item()
-        state_dict["good_steps"] = self.state[GOOD_STEPS].item()
+        state_dict = self._optimizer.state_dict(flat=self.flat_state)
+        if self.scaler is not None:
+            state_dict["loss_scale"] = self.state[LOSS_SCALE].item()
+            state_dict["good_steps"] = self.state[GOOD_STEPS].item()
         return state_dict
 
     def load_state_dict(self, state_dict, optimizer_overrides=None):
+        """Reads what ``state_dict`` writes and what ls_adam under fairseq's wrappers writes."""
         state_dict = dict(state_dict)
         loss_scale = state_dict.pop("loss_scale", None)
         good_steps = state_dict.pop("good_steps", 0.0)
@@ -208,3 +231,23 @@ class DeviceStepAdam(FairseqOptimizer):
         if self.scaler is not None and loss_scale is not None:
             self.state[LOSS_SCALE] = loss_scale
             self.state[GOOD_STEPS] = good_steps
+
+
+def fairseq_optimizer_name(common):
+    """The class name of the optimizer that fairseq's trainer builds around ls_adam for the precision
+    flags of ``common`` (its checkpoints record it; a resume needs the same name)."""
+    if common.fp16 or common.bf16:
+        if common.memory_efficient_fp16 or common.memory_efficient_bf16:
+            return "MemoryEfficientFP16Optimizer"
+        return "FP16Optimizer"
+    return "LSAdam"
+
+
+# fairseq's trainer records an optimizer by its class name (``optimizer_history``) and resumes a
+# checkpoint only under an optimizer of the same name. DeviceStepAdam, under each precision flag, takes
+# the name of the optimizer that fairseq-train builds for that flag around ls_adam and writes that
+# one's state, so that fairseq-train --user-dir ls_fairseq and ls-fairseq-train resume each other.
+NAMED_AS_FAIRSEQ = {
+    name: type(name, (DeviceStepAdam,), {"__doc__": "DeviceStepAdam, named as fairseq-train's " + name})
+    for name in ("LSAdam", "FP16Optimizer", "MemoryEfficientFP16Optimizer")
+}
