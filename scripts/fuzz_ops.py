@@ -137,7 +137,7 @@ def fill_free_memory(c):
     """On the GPU, NaN in the caching allocator's free blocks (tests' ``poison``): an output element a
     kernel forgets to write reads as NaN."""
     if c.device != "cpu":
-        fill_free_memory(c)
+        poison()
 
 
 def keep_mask(dropout):
