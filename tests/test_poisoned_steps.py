@@ -162,6 +162,22 @@ def test_poisoned_updates_on_cpu_are_skipped_and_a_run_of_them_stops_with_crash_
     assert_same_state(tmp_path / "b" / "crash.pt", tmp_path / "b" / "checkpoint_1_4.pt")  # nothing lost
 
 
+def scales_by_update(log):
+    # the training lines' loss scale by update (fairseq's config dump also prints min_loss_scale=...)
+    return {int(m.group(1)): float(m.group(2))
+            for m in re.finditer(r"num_updates=(\d+), [^\n]*?\bloss_scale=([\d.]+)", log)}
+
+
+@pytest.mark.slow
+def test_fp16_poisoned_updates_on_cpu_halve_the_logged_scale(small_data_bin, tmp_path):
+    proc = poisoned_run(small_data_bin, tmp_path / "a", "grad:3,grad:6", "--fp16", "--cpu", "--max-update", "8")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert skipped_by_update(proc.stdout) == {u: int(u in (3, 6)) for u in range(1, 9)}
+    scales = scales_by_update(proc.stdout)
+    assert sorted(scales) == list(range(1, 9)), scales
+    assert [scales[u] / scales[u - 1] for u in range(2, 9)] == [1, 0.5, 1, 1, 0.5, 1, 1], scales
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["--fp16", "--bf16"])
@@ -175,8 +191,8 @@ def test_poisoned_gradients_on_the_gpu(small_data_bin, tmp_path, precision, grap
     assert skipped == {u: int(u in (3, 6)) for u in range(1, 9)}, skipped
     assert states(tmp_path / "a" / "checkpoint_last.pt")[1]["step"] == 6
     if precision == "--fp16":
-        scales = [float(s) for s in re.findall(r"loss_scale=([\d.]+)", proc.stdout)]
-        assert scales[2] == scales[1] / 2 and scales[5] == scales[4] / 2, scales
+        scales = scales_by_update(proc.stdout)
+        assert scales[3] == scales[2] / 2 and scales[6] == scales[5] / 2, scales
         return
     proc = poisoned_run(small_data_bin, tmp_path / "b", "grad:5-40", precision, "--distributed-world-size", "1",
                         "--max-update", "40", *graphs)
