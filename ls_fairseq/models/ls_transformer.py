@@ -265,6 +265,19 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
                     value[name] = value[name].index_select(0, new_order)
         self.set_incremental_state(incremental_state, "cache", cache)
 
+    def decode_step(self, tokens, step, cache):
+        """One step of incremental decoding on preallocated caches (ls_fairseq.generation): ``tokens``
+        [N, 1] the token at position ``step`` (0-based) of every hypothesis; ``cache`` a
+        generation.DecoderCache of this decoder. Returns the logits [N, vocab]. Numerically the
+        incremental path of ``forward`` (positions padding_idx + 1 + step, as make_positions gives a
+        hypothesis, which holds no padding)."""
+        x = self._embed(tokens, torch.full_like(tokens, self.padding_idx + 1 + step))
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_step(x, step, cache, i)
+        if self.layer_norm is not None:
+            x = ops.layer_norm(x, self.layer_norm.weight, self.layer_norm.bias)
+        return self.output_layer(x)[:, 0]
+
 @register_model("ls_transformer")
 class LSTransformerModel(FairseqEncoderDecoderModel):
     """fairseq's Transformer on LightSeq2-style fused layers (see the module docstring)."""
