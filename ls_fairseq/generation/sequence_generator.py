@@ -190,7 +190,8 @@ class LSSequenceGenerator(nn.Module):
         lprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)
         lprobs.masked_fill_(lprobs.isnan(), -math.inf)
         lprobs[:, self.pad] = -math.inf
-        lprobs[:, self.unk] -= self.unk_penalty
+        if self.unk_penalty:
+            lprobs[:, self.unk] -= self.unk_penalty
         if step >= max_len:
             lprobs[:, : self.eos] = -math.inf
             lprobs[:, self.eos + 1 :] = -math.inf

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from ls_fairseq import ops
+from ls_fairseq.ops.beam_attention import beam_attention
 
 
 def _xavier_blocks(weight, block_rows, gain):
@@ -175,7 +176,7 @@ class DecoderLayer(_Layer):
         enc_k, enc_v, enc_mask = cache.encoder(index)
         N, H, _, D = q.shape
         q = q.transpose(1, 2).reshape(enc_k.shape[0], N // enc_k.shape[0], H, D).transpose(1, 2)
-        ctx = ops.attention(q, enc_k, enc_v, enc_mask, 0.0, False, exact_row_term=True)
+        ctx = beam_attention(q, enc_k, enc_v, enc_mask)
         out = ops.linear(ctx, attn.out_proj.weight, heads=True).reshape(N, 1, H * D)
         x = self._block_output(out, attn.out_proj.bias, x, self.encoder_attn_layer_norm, residual)
         return self._ffn(x)
