@@ -62,12 +62,13 @@ class LSSequenceGenerator(nn.Module):
         temperature=1.0,
         no_repeat_ngram_size=0,
         sync_every=None,
-        compact_fraction=0.25,
+        compact_fraction=None,
     ):
         """``models``: one ls_transformer model; the other arguments as fairseq's SequenceGenerator's.
         ``sync_every``: steps between the host's reads of the done flags (default: 1 for a model on
         the CPU, where a read costs nothing, else 8); ``compact_fraction``: the fraction of the
-        batch's sentences that must be done before they are dropped at a sync point."""
+        batch's sentences that must be done before they are dropped at a sync point (default: any
+        on the CPU, as fairseq drops them, else a quarter: dropping copies the caches once)."""
         super().__init__()
         if len(models) != 1:
             raise ValueError("LSSequenceGenerator: one model, not an ensemble of {}".format(len(models)))
@@ -134,6 +135,9 @@ class LSSequenceGenerator(nn.Module):
             raise ValueError("min_len cannot be larger than max_len, please adjust these! (--min-len {}, "
                              "maximum length {})".format(self.min_len, max_len))
         sync_every = self.sync_every or (1 if device.type == "cpu" else 8)
+        compact_fraction = self.compact_fraction
+        if compact_fraction is None:
+            compact_fraction = 0.0 if device.type == "cpu" else 0.25
 
         encoder_out = self.model.encoder.forward_torchscript(net_input)
         cache = DecoderCache(self.model.decoder, encoder_out, k, min(INITIAL_CAPACITY, max_len + 1))
@@ -170,7 +174,7 @@ class LSSequenceGenerator(nn.Module):
                 done = host_read(s.done)
                 if bool(done.all()):
                     break
-                if int(done.sum()) >= max(1, self.compact_fraction * done.numel()):
+                if int(done.sum()) >= max(1, compact_fraction * done.numel()):
                     keep, leave = (~done).nonzero().view(-1).to(device), done.nonzero().view(-1).to(device)
                     parents = parents.view(-1, k)[keep].view(-1)
                     s = s.keep(keep, leave)
