@@ -3,9 +3,8 @@
 With ``--required-seq-len-multiple M`` fairseq's collater pads every batch's
 source and target to a multiple of M, but its batching counts each sentence at
 its own length: a batch of 17-token sentences is cut at ``--max-tokens`` tokens
-and then padded to 24 a sentence, 1.4x the tensors ``--max-tokens`` allowed for
-(measured at 16,384 tokens on the benchmark's data: the largest batch's logits
-1.49x an unpadded batch's, peak memory 13.8 GiB against 10.2). ``ls-fairseq-train``
+and then padded to 24 a sentence, 1.4x the tensors ``--max-tokens`` allowed for,
+which raises the peak memory accordingly (docs/perf-log.md). ``ls-fairseq-train``
 counts each sentence at its padded length instead, so ``--max-tokens`` bounds the
 padded batch, as it bounds an unpadded one.
 
@@ -68,8 +67,7 @@ def _first_batch_once(iterator):
 def collate_first_batch_once():
     """fairseq's trainer reads its epoch iterator's ``first_batch`` (its dummy batch) at the start
     of every epoch, and the iterator collates the data's first batch again each time, in the main
-    process, while the GPU waits for the epoch's first step (~150 ms an epoch boundary on a 2-core
-    host for the benchmark's 8,192-token batches). Here the iterator keeps what it collated for as
+    process, while the GPU waits for the epoch's first step. Here the iterator keeps what it collated for as
     long as its first batch (fairseq's frozen batch list) stays the same, and collates again when
     fairseq rebuilds that list (``--update-epoch-batch-itr``)."""
     EpochBatchIterator.first_batch = property(_first_batch_once)

@@ -11,7 +11,30 @@ refused.
 It also wraps fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` so that a
 refused, corrupt or truncated checkpoint fails with a message that names the
 file, the cause, and the other checkpoints beside it; the file is never
-modified (fairseq itself writes checkpoints to a temporary file and renames).
+modified.
+
+Every checkpoint file a run writes appears whole or not at all. fairseq writes
+the first file of a save (``checkpoint_1_500.pt``, ``checkpoint3.pt``) to a
+temporary file and renames it, but copies it to the others
+(``checkpoint_best.pt``, ``checkpoint_last.pt``, ...) in place, so a kill during
+a copy left a truncated ``checkpoint_last.pt``, the file a resume reads. Here
+both go through ``replace_atomically``: the bytes go to ``<name>.tmp`` in the
+same folder, are flushed to the disk (fsync), and ``os.replace`` puts the file
+in place in one step; the folder is synced after it. A kill at any moment leaves
+every ``.pt`` file either its old or its new whole content, and at most a stale
+``.tmp`` file, which the next save removes (one process, rank 0, writes a run's
+checkpoints, so any ``*.pt.tmp`` beside them was left by an interrupted save). Paths that only
+fairseq's PathManager can reach (no local rename) and
+``--write-checkpoints-asynchronously`` keep fairseq's own writing.
+
+A checkpoint that does not fit the model the command line builds fails with a
+message that says how (``check_model_state``, called by ls_transformer's
+``load_state_dict``): a stock fairseq transformer checkpoint (convert it first),
+another architecture (the missing, unexpected or differently shaped parameters),
+an embedding table whose size is not the data-bin's dictionary's. The plugin's
+checkpoints also record a fingerprint of the source and target dictionaries
+(``extra_state["ls_dictionaries"]``), and resuming or fine-tuning from one on a
+data-bin whose dictionary has the same size but other tokens fails too.
 
 Under data-parallel training every rank reads the checkpoint file itself
 (fairseq's ``--load-checkpoint-on-all-dp-ranks``, turned on by the wrapped
@@ -23,18 +46,203 @@ same allowlist, which stays as narrow as above.
 """
 import argparse
 import functools
+import hashlib
+import logging
 import os
 import pickle
 import re
+import shutil
+import signal
 import zipfile
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 FAIRSEQ_CHECKPOINT_TYPES = (argparse.Namespace,)
+
+FAULT_VARIABLE = "LS_FAIRSEQ_TEST_KILL_AT"
+FAULT_POINTS = (
+    "save_written", "save_before_rename", "save_renamed",
+    "copy_partial", "copy_written", "copy_before_rename", "copy_renamed",
+)
+_fault_hits = {}
+
+
+def fault_point(point, path, f=None):
+    """The fault tests' hook (tests/test_fault_checkpoints.py, scripts/fault_checkpoints.py).
+
+    ``LS_FAIRSEQ_TEST_KILL_AT=<point>:<n>`` SIGKILLs this process the n-th time (default the first)
+    it reaches ``point`` of ``replace_atomically`` (writing ``path``), one of ``FAULT_POINTS``: ``save_*`` in the write
+    of a save's first file, ``copy_*`` in a copy of it to another name; ``*_written``: every byte in
+    the temporary file, not yet synced; ``*_before_rename``: synced, not renamed; ``*_renamed``: in
+    place, the next file not begun; ``copy_partial``: half of the bytes in the temporary file.
+    ``f``, the temporary file, is flushed first, so that the bytes written are on disk as a crash
+    leaves them. Unset (always, outside those tests) it does nothing."""
+    armed = os.environ.get(FAULT_VARIABLE)
+    if not armed or armed.partition(":")[0] != point:
+        return
+    _fault_hits[point] = _fault_hits.get(point, 0) + 1
+    if _fault_hits[point] == int(armed.partition(":")[2] or 1):
+        if f is not None:
+            f.flush()
+        print("ls_fairseq fault hook: SIGKILL at {} {}".format(point, path), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync_folder(folder):
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_atomically(path, write, kind="save"):
+    """Make ``path`` hold what ``write(f)`` writes to a binary file, whole or not at all: written to
+    ``path + ".tmp"`` beside it, synced, renamed over ``path`` (``os.replace``), folder synced.
+    ``kind``, "save" or "copy", names the fault hook's points (``fault_point``)."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            fault_point(kind + "_written", path, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        # a failed write (a full disk, an error in torch.save) leaves the old file and frees the space
+        os.remove(tmp)
+        raise
+    fault_point(kind + "_before_rename", path)
+    os.replace(tmp, path)
+    _fsync_folder(os.path.dirname(os.path.abspath(path)))
+    fault_point(kind + "_renamed", path)
+
+
+def _copy_into(src, dst):
+    def write(f):
+        with open(src, "rb") as s:
+            left = os.fstat(s.fileno()).st_size // 2
+            while left > 0:
+                chunk = s.read(min(1 << 20, left))
+                f.write(chunk)
+                left -= len(chunk) or left
+            fault_point("copy_partial", dst, f)
+            shutil.copyfileobj(s, f, 1 << 20)
+
+    return write
+
+
+def _remove_stale_temporaries(folder):
+    for name in os.listdir(folder):
+        if name.endswith(".pt.tmp"):
+            os.remove(os.path.join(folder, name))
+            logger.info("removed %s, left by an interrupted checkpoint save", os.path.join(folder, name))
+
+
+def _atomic_persistent_save(save):
+    """fairseq's ``checkpoint_utils.torch_persistent_save`` through ``replace_atomically``."""
+
+    @functools.wraps(save)
+    def torch_persistent_save(obj, filename, async_write=False):
+        from fairseq.file_io import PathManager
+
+        if async_write or not PathManager.supports_rename(filename):
+            return save(obj, filename, async_write=async_write)
+        _remove_stale_temporaries(os.path.dirname(os.path.abspath(filename)))
+        replace_atomically(filename, lambda f: torch.save(obj, f), kind="save")
+
+    torch_persistent_save.ls_fairseq_guarded = True
+    return torch_persistent_save
+
+
+def _atomic_copy_path_manager():
+    """fairseq's PathManager whose ``copy`` (what ``save_checkpoint`` copies the first file to the
+    others with) goes through ``replace_atomically`` for local paths; given to checkpoint_utils only."""
+    from fairseq.file_io import PathManager
+
+    class AtomicCopyPathManager(PathManager):
+        ls_fairseq_guarded = True
+
+        @staticmethod
+        def copy(src_path, dst_path, overwrite=False):
+            if not (PathManager.supports_rename(src_path) and PathManager.supports_rename(dst_path)):
+                return PathManager.copy(src_path, dst_path, overwrite=overwrite)
+            if not overwrite and os.path.exists(dst_path):
+                raise FileExistsError(dst_path)
+            replace_atomically(dst_path, _copy_into(src_path, dst_path), kind="copy")
+            return True
+
+    return AtomicCopyPathManager
 
 
 class CheckpointLoadError(RuntimeError):
     pass
+
+
+class CheckpointMismatchError(ValueError):
+    pass
+
+
+STOCK_TRANSFORMER_KEY = "encoder.layers.0.self_attn.q_proj.weight"  # fairseq's transformer; ls_transformer: qkv_proj
+
+
+def check_model_state(model, state_dict):
+    """Raise CheckpointMismatchError saying how ``state_dict`` does not fit ``model``: another
+    architecture (missing, unexpected or differently shaped parameters), a stock fairseq transformer,
+    or embedding tables of another dictionary's size."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if STOCK_TRANSFORMER_KEY in state_dict:
+        raise CheckpointMismatchError(
+            "this is a checkpoint of fairseq's transformer (separate q_proj, k_proj, v_proj), not of ls_transformer: "
+            "convert it first with python -m ls_fairseq.convert from-fairseq IN.pt OUT.pt"
+        )
+    for side in ("encoder", "decoder"):
+        key, dictionary = side + ".embed_tokens.weight", getattr(getattr(model, side, None), "dictionary", None)
+        if key in state_dict and dictionary is not None and state_dict[key].shape[0] != len(dictionary):
+            raise CheckpointMismatchError(
+                "its {} has {} rows, the data-bin's {} dictionary {} entries: the checkpoint was trained with another "
+                "dictionary (binarize the data with the checkpoint's: fairseq-preprocess --srcdict/--tgtdict)".format(
+                    key, state_dict[key].shape[0], "source" if side == "encoder" else "target", len(dictionary)
+                )
+            )
+    shapes = ["{} {} (this model: {})".format(k, list(state_dict[k].shape), list(v.shape)) for k, v in own.items()
+              if k in state_dict and torch.is_tensor(v) and tuple(state_dict[k].shape) != tuple(v.shape)]
+    if missing or unexpected or shapes:
+        parts = [
+            "{} {}{}".format(len(names), what, ": " + ", ".join(names[:3]) + (", ..." if len(names) > 3 else ""))
+            for names, what in ((missing, "parameters missing"), (unexpected, "unexpected parameters"),
+                                (shapes, "of other shapes"))
+            if names
+        ]
+        raise CheckpointMismatchError(
+            "it holds another architecture than the one the command line builds ({}); give the options it was "
+            "trained with (--arch, --encoder-layers, --encoder-embed-dim, ...)".format("; ".join(parts))
+        )
+
+
+def dictionary_fingerprints(task):
+    """{"source"/"target": {"size", "sha256"}} of the task's dictionaries (those it has)."""
+    found = {}
+    for side in ("source", "target") if task is not None else ():
+        d = getattr(task, side + "_dictionary", None)
+        if d is not None:
+            found[side] = {"size": len(d), "sha256": hashlib.sha256("\n".join(d.symbols).encode()).hexdigest()[:16]}
+    return found
+
+
+def _with_dictionaries(state_dict):
+    @functools.wraps(state_dict)
+    def trainer_state_dict(trainer):
+        state = state_dict(trainer)
+        if trainer.task is not None:
+            state["extra_state"]["ls_dictionaries"] = dictionary_fingerprints(trainer.task)
+        return state
+
+    trainer_state_dict.ls_fairseq_guarded = True
+    return trainer_state_dict
 
 
 def _guarded(load):
@@ -70,17 +278,35 @@ def _guarded(load):
 
 def _on_every_rank(load_checkpoint):
     @functools.wraps(load_checkpoint)
-    def trainer_load_checkpoint(trainer, *args, **kwargs):
+    def trainer_load_checkpoint(trainer, filename, *args, **kwargs):
         if trainer.data_parallel_world_size > 1:
             trainer.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
-        return load_checkpoint(trainer, *args, **kwargs)
+        try:
+            extra_state = load_checkpoint(trainer, filename, *args, **kwargs)
+        except Exception as e:
+            # fairseq's trainer replaces any model loading error by "please ensure that the architectures match"
+            if isinstance(e.__context__, CheckpointMismatchError):
+                raise CheckpointMismatchError("checkpoint {}: {}".format(filename, e.__context__)) from None
+            raise
+        saved = (extra_state or {}).get("ls_dictionaries", {})
+        for side, now in (dictionary_fingerprints(trainer.task) if saved else {}).items():
+            if side in saved and saved[side] != now:
+                raise CheckpointMismatchError(
+                    "checkpoint {} was trained with another {} dictionary than the data-bin's: {} entries, sha256 {} "
+                    "there, {} entries, sha256 {} here; its token ids would mean other words. Binarize the data with "
+                    "the checkpoint's dictionary (fairseq-preprocess --srcdict/--tgtdict).".format(
+                        filename, side, saved[side]["size"], saved[side]["sha256"], now["size"], now["sha256"]
+                    )
+                )
+        return extra_state
 
     trainer_load_checkpoint.ls_fairseq_guarded = True
     return trainer_load_checkpoint
 
 
 def install():
-    """Allowlist fairseq's checkpoint types and guard fairseq's checkpoint loading (idempotent)."""
+    """Allowlist fairseq's checkpoint types, guard fairseq's checkpoint loading and make its
+    checkpoint writing atomic (idempotent)."""
     torch.serialization.add_safe_globals(list(FAIRSEQ_CHECKPOINT_TYPES))
     from fairseq import checkpoint_utils
     from fairseq.trainer import Trainer
@@ -89,3 +315,9 @@ def install():
         checkpoint_utils.load_checkpoint_to_cpu = _guarded(checkpoint_utils.load_checkpoint_to_cpu)
     if not getattr(Trainer.load_checkpoint, "ls_fairseq_guarded", False):
         Trainer.load_checkpoint = _on_every_rank(Trainer.load_checkpoint)
+    if not getattr(Trainer.state_dict, "ls_fairseq_guarded", False):
+        Trainer.state_dict = _with_dictionaries(Trainer.state_dict)
+    if not getattr(checkpoint_utils.torch_persistent_save, "ls_fairseq_guarded", False):
+        checkpoint_utils.torch_persistent_save = _atomic_persistent_save(checkpoint_utils.torch_persistent_save)
+    if not getattr(checkpoint_utils.PathManager, "ls_fairseq_guarded", False):
+        checkpoint_utils.PathManager = _atomic_copy_path_manager()

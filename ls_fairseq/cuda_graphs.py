@@ -1,8 +1,8 @@
 """The training step's forward and backward replayed from CUDA graphs, one per batch shape.
 
 On the H200 the host's side of an ls_transformer step (Python, autograd and ~800
-kernel launches) takes longer than the GPU's side (42 ms against 25 ms for
-transformer-big at 8,192 tokens: docs/perf-log.md), so the GPU idles. A captured
+kernel launches) takes longer than the GPU's side for transformer-big
+(docs/perf-log.md), so the GPU idles. A captured
 graph launches the same kernels from one call. ``ls-fairseq-train
 --ls-cuda-graphs`` wraps the task's ``train_step`` in ``GraphedTrainStep``:
 
@@ -28,12 +28,18 @@ graph launches the same kernels from one call. ``ls-fairseq-train
   time and the tensors a graph returns stay alive, so no graph's output is
   another graph's scratch. Replays clone the two losses, which fairseq's meters
   keep until they print.
+- A replay allocates nothing: the memory its kernels use was allocated in the pool
+  at capture. The capture measures the memory its transient tensors took, and
+  each replay reports that on top of what is allocated when it starts, for the
+  logged peak memory (ls_fairseq/memory.py).
 - After ``max_graphs`` shapes, new shapes run eagerly.
 """
 import contextlib
 import logging
 
 import torch
+
+from ls_fairseq import memory
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +75,7 @@ class _Graph:
         # thread_local: fairseq's data loader pins the next batch in its own thread meanwhile
         # (cudaHostAlloc), which invalidates a capture in CUDA's default (global) mode.
         try:
-            with _on(stream):
+            with _on(stream), memory.Rise() as rise:
                 self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     loss, nll_loss = criterion.losses(model, self.sample)
@@ -81,10 +87,12 @@ class _Graph:
             cause = e.__context__ or e
             raise RuntimeError("ls_fairseq: capturing the training step in a CUDA graph failed: {}".format(cause)) from cause
         self.loss, self.nll_loss = loss.detach(), nll_loss.detach()
+        self.rise = rise.bytes
 
     def replay(self, sample):
         for (_, static), (_, t) in zip(_inputs(self.sample), _inputs(sample)):
             static.copy_(t)
+        memory.replaying(self.rise)
         self.graph.replay()
         return self.loss.clone(), self.nll_loss.clone()
 

@@ -102,11 +102,11 @@ class LSTrainer(Trainer):
         if getattr(self.cfg.model, "ls_cuda_graphs", False) and not isinstance(self.task.train_step, GraphedTrainStep):
             self._check_cuda_graphs()
             self.task.train_step = GraphedTrainStep(self.task.train_step)
-        logging_output = super().train_step(samples, raise_oom)
-        scaler = getattr(self.optimizer, "scaler", None)
-        if self.device_step and scaler is not None and self.get_num_updates() % self.cfg.common.log_interval == 0:
-            scaler.check()
-        return logging_output
+        if self.device_step:
+            # on the updates fairseq logs at, the optimizer's step reads back whether the run diverged
+            # (DeviceStepAdam.check); raised inside the step, fairseq's handler saves crash.pt
+            self.optimizer.check_at_step = (self.get_num_updates() + 1) % self.cfg.common.log_interval == 0
+        return super().train_step(samples, raise_oom)
 
     def _check_cuda_graphs(self):
         """--ls-cuda-graphs captures what must stay on the device: say which option stands in the way."""

@@ -300,14 +300,15 @@ def bench_linear(dtype):
     """The FFN's first GEMM, forward and backward, with the weight's gradient already allocated
     (ls_adam's workspace): autograd's mm into a new tensor plus an add into .grad, against
     ops.linear's in-place accumulation (addmm_, beta = 1). Time of the three GEMMs and the add."""
-    from ls_fairseq.ops.dispatch import IN_WORKSPACE
+    from ls_fairseq.ops.workspace import accumulate_in_place
 
     x, dy = rand(TOKENS, HIDDEN, dtype=dtype).requires_grad_(), rand(TOKENS, FFN, dtype=dtype)
     results = {}
     for label, fn in (("stock", torch.nn.functional.linear), ("ls", ops.linear)):
         w = rand(FFN, HIDDEN, dtype=dtype).requires_grad_()
         w.grad = torch.zeros_like(w)
-        setattr(w, IN_WORKSPACE, label == "ls")
+        if label == "ls":
+            accumulate_in_place([w])
         results[label] = kernel_ms(lambda _: fn(x, w).backward(dy), [None])
     (st_ms, st_k), (ls_ms, ls_k) = results["stock"], results["ls"]
     return dict(op="linear (fwd+bwd)", stock_fwd_ms=st_ms, ls_fwd_ms=ls_ms, fwd_speedup=st_ms / ls_ms,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session: build the extension in place, print which path each op
+# The GPU check in one go: build the extension in place, print which path each op
 # takes, run the GPU tests, then any benchmark commands given as arguments.
 # Full logs go to $OUT (default /tmp/ls_fairseq_gpu), bundled into $OUT/logs.tgz at the
 # end (the device tool returns only a few files); a summary is printed last.

@@ -25,7 +25,7 @@ else
   echo "test: nvcc not found or no CUDA sources; CUDA compile check skipped"
 fi
 
-mapfile -t shell_scripts < <(git ls-files '*.sh' .ci/run 2>/dev/null || find . -name '*.sh' -not -path './.venv/*')
+mapfile -t shell_scripts < <(git ls-files '*.sh' '.ci/run' 2>/dev/null || find . -name '*.sh' -not -path './.venv/*')
 for s in "${shell_scripts[@]}"; do bash -n "$s"; done
 shellcheck "${shell_scripts[@]}"
 echo "test: bash -n and shellcheck pass on ${#shell_scripts[@]} shell scripts"

@@ -1,17 +1,46 @@
 import os
+import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DIR = os.path.join(REPO, "ls_fairseq")
 
+# Every test draws its random inputs from a seed of its own: a fresh one per test, or the value of
+# this variable for every test, which replays a failure (a failing test's report names its seed).
+SEED_ENV = "LS_FAIRSEQ_TEST_SEED"
+
+
+def fixed_seed():
+    """The seed that LS_FAIRSEQ_TEST_SEED sets for every test, or None when it is unset or empty."""
+    value = os.environ.get(SEED_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        seed = int(value)
+    except ValueError:
+        seed = -1
+    if not 0 <= seed < 2**32:
+        raise pytest.UsageError("{} must be an integer in [0, 2**32), got {!r}".format(SEED_ENV, value))
+    return seed
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and the compiled extension (skipped without a GPU)")
     config.addinivalue_line("markers", "slow: end-to-end runs of fairseq's command-line tools")
+    fixed_seed()  # a malformed value stops the run before any test
+
+
+def pytest_report_header(config):
+    seed = fixed_seed()
+    if seed is None:
+        return "random seeds: a new one per test, named in its report when it fails ({}=N replays it)".format(
+            SEED_ENV)
+    return "random seeds: {}={} for every test".format(SEED_ENV, seed)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,8 +53,27 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+def _seed(request):
+    """Seeds torch (CPU and CUDA), numpy and random for the test, and records the seed on the test's
+    item (a failure's report shows it; JUnit XML gets it as a property)."""
+    seed = fixed_seed()
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+    request.node.ls_seed = seed
+    request.node.user_properties.append(("seed", seed))
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = getattr(item, "ls_seed", None)
+    if report.failed and seed is not None:
+        report.sections.append(("random seed", "seed {}; to replay: {}={} python -m pytest '{}'".format(
+            seed, SEED_ENV, seed, item.nodeid)))
 
 
 def run(cmd, **kw):

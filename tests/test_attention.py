@@ -69,6 +69,39 @@ def test_right_padded_causal_keys_need_no_padding_mask():
     assert_close(fast[real], full[real], rtol=1e-12, atol=1e-12, what="real rows")
 
 
+@pytest.mark.parametrize("Tq,Tk,causal", [(7, 7, False), (7, 7, True), (3, 9, True), (5, 11, False), (1, 6, True)])
+def test_cpu_fp32_attention_matches_the_fp64_reference(Tq, Tk, causal):
+    """fp32 on CPU without dropout takes torch's fused attention: the fp64 reference's output and
+    gradients, with padded keys (left and right), causal masks with a cache (Tq < Tk), odd sizes."""
+    B, H, D = 3, 2, 5
+    q, k, v = torch.randn(B, H, Tq, D), torch.randn(B, H, Tk, D), torch.randn(B, H, Tk, D)
+    dout = torch.randn(B, H, Tq, D)
+    kpm = torch.zeros(B, Tk, dtype=torch.bool)
+    kpm[1, -2:] = True
+    kpm[2, : Tk - Tq] = True  # left padding that still leaves every causal row a key
+    mask = ops.AttentionMask(kpm, causal)
+    runs = []
+    for dtype in (torch.float32, torch.float64):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = ops.attention(*leaves, mask, 0.0, True)
+        runs.append([out] + list(torch.autograd.grad(out, leaves, dout.to(dtype))))
+    assert runs[0][0].grad_fn is not None and "Scaled" in type(runs[0][0].grad_fn).__name__
+    for a, b, name in zip(*runs, ("out", "dq", "dk", "dv")):
+        assert_close(a, b, rtol=1e-5, atol=1e-5, what=name)
+
+
+def test_cpu_fp32_attention_with_a_row_that_sees_no_key_is_zero():
+    """A query row whose keys are all masked gives zeros on the fp32 CPU path too (the explicit path)."""
+    q, k, v = torch.randn(2, 1, 3, 4), torch.randn(2, 1, 5, 4), torch.randn(2, 1, 5, 4)
+    kpm = torch.zeros(2, 5, dtype=torch.bool)
+    kpm[1] = True
+    out = ops.attention(q, k, v, ops.AttentionMask(kpm))
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isfinite(out).all()
+    causal = ops.AttentionMask(causal=True)  # Tq > Tk: the first rows see no key
+    out = ops.attention(torch.randn(1, 1, 4, 4), k[:1, :, :2], v[:1, :, :2], causal)
+    assert torch.equal(out[0, 0, :2], torch.zeros(2, 4)) and torch.isfinite(out).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])

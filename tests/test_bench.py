@@ -21,7 +21,7 @@ def captured(n):
 def test_steady_state_leaves_out_early_epochs_capturing_intervals_and_all_from_the_profile_on():
     # two ranks log each interval; rank 1 captures a graph during updates 31..40, after both
     # ranks logged update 30; updates 55..57 are profiled, and the steps after a profile run
-    # slower too (run 17), so update 70's interval is out as well as update 60's
+    # slower too (docs/perf-log.md), so update 70's interval is out as well as update 60's
     log = [interval(1, 10, 100)]
     for update in (20, 30, 40, 50, 60, 70):
         for _rank in range(2):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ls_fairseq.ops.dispatch import IN_WORKSPACE, NO_GRAD_HOOKS, grad_in_place
+from ls_fairseq.ops.workspace import grad_in_place
 from ls_fairseq.optim.ls_adam import LSAdam, LSAdamConfig
 from ls_fairseq.optim.mixed_precision import DeviceStepAdam
 from ls_fairseq.trainer import sum_over_workers
@@ -80,13 +80,13 @@ def stats_worker(rank, init_file, out):
             "loss": torch.tensor([1.5, -2.0]) * (rank + 1), "nll_loss": torch.tensor(3.0 + rank, dtype=torch.float16)}
     # the CPU stands for the GPU here: its tensors take the device's all-reduce
     summed = sum_over_workers(data, torch.device("cpu"), host_group=dist.new_group(backend="gloo"))
-    # while distributed, a workspace parameter's gradient is accumulated in place only without autograd hooks
-    p = torch.nn.Parameter(torch.zeros(3))
-    p.grad = torch.zeros(3)
-    setattr(p, IN_WORKSPACE, True)
-    in_place = [grad_in_place(p) is p.grad]
-    setattr(p, NO_GRAD_HOOKS, True)
-    in_place.append(grad_in_place(p) is p.grad)
+    # while distributed, ls_adam's gradients are accumulated in place only when no autograd hook watches them
+    cfg = LSAdamConfig(lr=[1e-2])
+    in_place = []
+    for grad_hooks in (None, False):
+        p = torch.nn.Parameter(torch.zeros(3))
+        LSAdam(cfg, [p], grad_hooks=grad_hooks)
+        in_place.append(grad_in_place(p) is p.grad)
     torch.save((summed, in_place), "{}.{}".format(out, rank))
     dist.destroy_process_group()
 

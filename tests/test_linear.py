@@ -4,14 +4,15 @@ import torch
 from helpers import DEVICES, assert_close
 
 from ls_fairseq import ops
-from ls_fairseq.ops.dispatch import IN_WORKSPACE
+from ls_fairseq.ops.workspace import accumulate_in_place
+from ls_fairseq.optim import ls_adam
 
 
 def inputs(device, dtype=torch.float64):
-    """x and a weight marked as ls_adam marks the parameters of its workspace."""
+    """x and a weight whose gradient the ops accumulate in place, as ls_adam has it for its workspace."""
     x = torch.randn(3, 7, 13, device=device, dtype=dtype, requires_grad=True)
     w = torch.randn(5, 13, device=device, dtype=dtype, requires_grad=True)
-    setattr(w, IN_WORKSPACE, True)
+    accumulate_in_place([w])
     return x, w
 
 
@@ -50,7 +51,7 @@ def test_low_precision_in_place_is_at_least_as_accurate_as_autograd(device, dtyp
     if device == "cpu" and dtype == torch.float16:
         pytest.skip("fp16 GEMMs on CPU are not what training uses")
     x, w = (t.detach().to(dtype).requires_grad_() for t in inputs(device, torch.float32))
-    setattr(w, IN_WORKSPACE, True)
+    accumulate_in_place([w])
     old = torch.randn_like(w)
     w.grad = old.clone()
     dy = torch.randn(3, 7, 5, device=device, dtype=dtype)
@@ -61,14 +62,15 @@ def test_low_precision_in_place_is_at_least_as_accurate_as_autograd(device, dtyp
 
 
 def test_distributed_training_keeps_autograds_accumulation(monkeypatch):
-    """DistributedDataParallel learns that a gradient is ready from autograd's hooks."""
-    import importlib
+    """DistributedDataParallel learns that a gradient is ready from autograd's hooks: ls_adam built while
+    torch.distributed is initialised leaves its gradients to autograd."""
     from types import SimpleNamespace
 
-    module = importlib.import_module("ls_fairseq.ops.dispatch")
-    x, w = inputs("cpu")
-    w.grad = torch.zeros_like(w)
-    monkeypatch.setattr(module, "dist", SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True))
+    monkeypatch.setattr(ls_adam, "dist", SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True))
+    x = torch.randn(3, 7, 13, dtype=torch.float64, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(5, 13, dtype=torch.float64))
+    ls_adam.LSAdam(ls_adam.LSAdamConfig(lr=[1e-3]), [w])
+    assert w.grad is not None  # a view of the workspace
     y = ops.linear(x, w)
     with torch.profiler.profile() as prof:
         y.sum().backward()
@@ -100,7 +102,7 @@ def test_heads_input_merges_inside_and_keeps_only_the_unmerged_output(device, in
     ctx = torch.randn(2, 4, 5, 3, dtype=torch.float64, device=device, requires_grad=True)
     w = torch.randn(7, 12, dtype=torch.float64, device=device, requires_grad=True)
     if in_place:
-        setattr(w, IN_WORKSPACE, True)
+        accumulate_in_place([w])
         w.grad = torch.zeros_like(w)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -112,3 +114,18 @@ def test_heads_input_merges_inside_and_keeps_only_the_unmerged_output(device, in
     y.backward(dy)
     assert_close(ctx.grad, (dy @ w.detach()).view(2, 5, 4, 3).transpose(1, 2), rtol=1e-12, atol=1e-12)
     assert_close(w.grad, dy.reshape(-1, 7).t() @ ops.merge_heads(ctx.detach()).reshape(-1, 12), rtol=1e-12, atol=1e-12)
+
+
+def test_a_freed_parameter_leaves_the_workspace():
+    """The workspace holds parameters by id(): a freed one's id must not stay held for a later tensor."""
+    import gc
+
+    from ls_fairseq.ops import workspace
+
+    before = len(workspace._held)
+    w = torch.nn.Parameter(torch.zeros(2))
+    accumulate_in_place([w, w])
+    assert len(workspace._held) == before + 1
+    del w
+    gc.collect()
+    assert len(workspace._held) == before

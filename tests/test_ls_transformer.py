@@ -6,7 +6,7 @@ import torch
 from helpers import LOW_PRECISION, assert_close, check_kernel, kernel, rel_error
 from model_utils import batch, build_pair, grads_by_stock_name
 
-from ls_fairseq.ops.dispatch import IN_WORKSPACE
+from ls_fairseq.ops.workspace import accumulate_in_place
 
 VARIANTS = {
     "post-ln relu sinusoidal shared": dict(share_all_embeddings=True),
@@ -141,7 +141,7 @@ def test_gradients_accumulated_in_place_equal_autograds(device, dtype, rtol, var
     autograd = {name: p.grad.clone() for name, p in ls.named_parameters()}
     for p in ls.parameters():  # as ls_adam's workspace leaves them
         p.grad = torch.zeros_like(p)
-        setattr(p, IN_WORKSPACE, True)
+    accumulate_in_place(ls.parameters())
     for _ in range(2):
         out, _ = ls(**net_input)
         out.backward(upstream)
@@ -211,10 +211,10 @@ def test_fused_layers_on_the_gpu_match_the_reference_layers(variant, dtype):
     fp64, within twice the error of stock fairseq's transformer in the same precision.
 
     Every variant runs with gelu here. With relu, a few FFN inputs per layer round to the other side of 0
-    (in stock's model as in ours, as many: run 56, docs/perf-log.md), and each such flip is an O(1) error
+    (in stock's model as in ours, as many: docs/perf-log.md), and each such flip is an O(1) error
     in one element of the FFN's gradient that reaches every layer below. The count of flips is a Poisson
     draw, so relu's ratio to stock's error measured the draw, not the kernels: over 2x in about one case in
-    twenty (seventeenth session). gelu's derivative is continuous, so its rounding errors stay rounding
+    twenty (docs/perf-log.md). gelu's derivative is continuous, so its rounding errors stay rounding
     errors. relu's kernel is held to fp64 on one mask in test_bias_act_dropout.py, and relu models below.
     96 sentences: the ratio of two errors of equal precision is itself noisy on a small batch."""
     assert_within_twice_stocks_error(*gpu_training_step(dict(VARIANTS[variant], activation_fn="gelu"), dtype, True))

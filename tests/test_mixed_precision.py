@@ -1,6 +1,7 @@
 """ls-fairseq-train's device-decided mixed-precision step (DeviceStepAdam) against
 fairseq's host-decided one (MemoryEfficientFP16Optimizer around ls_adam), on CPU and on CUDA."""
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ from omegaconf import OmegaConf
 from test_ls_adam import data, loss_of, small_model
 
 from ls_fairseq.ops.adam import LOSS_SCALE, OVERFLOW, STEP
-from ls_fairseq.ops.dispatch import NO_GRAD_HOOKS
+from ls_fairseq.ops.workspace import grad_in_place
+from ls_fairseq.optim import ls_adam
 from ls_fairseq.optim.ls_adam import LSAdam, LSAdamConfig
 from ls_fairseq.optim.mixed_precision import DeviceStepAdam
 
@@ -143,7 +145,7 @@ def test_minimum_loss_scale_stops_training_when_checked():
         opt.scaler.check()
 
 
-def test_precision_flags_choose_master_weights_and_scaling():
+def test_precision_flags_choose_master_weights_and_scaling(monkeypatch):
     def build(dtype, ddp_backend="legacy_ddp", **common):
         flags = dict(fp16=False, bf16=False, memory_efficient_fp16=False, memory_efficient_bf16=False,
                      fp16_scale_window=None, fp16_init_scale=128, fp16_scale_tolerance=0.0, threshold_loss_scale=None,
@@ -163,11 +165,13 @@ def test_precision_flags_choose_master_weights_and_scaling():
     assert build(torch.bfloat16, bf16=True).adam.optimizer.master is not None
     with pytest.raises(ValueError, match="--fp16-scale-tolerance"):
         build(torch.float16, fp16=True, fp16_scale_tolerance=0.25)
-    # under legacy_ddp no autograd hook watches the gradients, so the ops may accumulate them in place;
-    # torch's DistributedDataParallel (c10d) needs autograd's accumulation
-    assert all(getattr(p, NO_GRAD_HOOKS, False) for p in fp16.adam.optimizer.workspace.params)
+    # under data-parallel training with legacy_ddp no autograd hook watches the gradients, so the ops may
+    # accumulate them in place; torch's DistributedDataParallel (c10d) needs autograd's accumulation
+    monkeypatch.setattr(ls_adam, "dist", SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True))
+    legacy = build(torch.float16, fp16=True)
+    assert all(grad_in_place(p) is p.grad for p in legacy.adam.optimizer.workspace.params)
     c10d = build(torch.float16, ddp_backend="c10d", fp16=True)
-    assert not any(getattr(p, NO_GRAD_HOOKS, False) for p in c10d.adam.optimizer.workspace.params)
+    assert all(grad_in_place(p) is None for p in c10d.adam.optimizer.workspace.params)
 
 
 @pytest.mark.parametrize("master,limit", [(False, 12), (True, 16)])

@@ -58,3 +58,61 @@ def test_cpu_tensors_and_fp64_take_the_reference():
     assert not dispatch.use_kernel("layer_norm", torch.zeros(2))
     if torch.cuda.is_available():
         assert not dispatch.use_kernel("layer_norm", torch.zeros(2, dtype=torch.float64, device="cuda"))
+
+
+def routes():
+    """Every ``dispatch.Route`` the op modules define, by module and name."""
+    import importlib
+    import pkgutil
+
+    import ls_fairseq.ops
+
+    found = {}
+    for info in pkgutil.iter_modules(ls_fairseq.ops.__path__):
+        module = importlib.import_module("ls_fairseq.ops." + info.name)
+        found.update({(info.name, name): v for name, v in vars(module).items() if isinstance(v, dispatch.Route)})
+    return found
+
+
+def test_every_op_has_a_route_to_kernels_that_bindings_cpp_binds():
+    """A reader follows an op from its Route in ops/ by name to csrc/bindings.cpp: every op has one,
+    and every ``_C.name`` an op module calls is a name the extension binds."""
+    import pathlib
+    import re
+
+    assert {route.op for route in routes().values()} == set(dispatch.OPS)
+    root = pathlib.Path(dispatch.__file__).parents[1]
+    bindings = (root / "csrc" / "bindings.cpp").read_text()
+    bound = set(re.findall(r'm\.(?:def|attr)\("(\w+)"', bindings))
+    bound |= set(re.findall(r'py::class_<\w+>\(m, "(\w+)"', bindings))
+    called = {name for path in (root / "ops").glob("*.py") for name in re.findall(r"\b_C\.(\w+)", path.read_text())}
+    assert called and called <= bound, sorted(called - bound)
+
+
+def test_a_route_takes_the_kernel_for_cuda_tensors_unless_forced(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(dispatch, "_C", SimpleNamespace())  # as if the extension were loaded
+    monkeypatch.delenv("LS_FAIRSEQ_REFERENCE", raising=False)
+    route = dispatch.Route("layer_norm", kernel="kernel", reference="reference")
+    cuda = SimpleNamespace(is_cuda=True, dtype=torch.float16)
+    assert route.pick(cuda) == "kernel"
+    assert route.pick(SimpleNamespace(is_cuda=True, dtype=torch.float64)) == "reference"
+    assert route.pick(torch.zeros(2, dtype=torch.float16)) == "reference"
+    monkeypatch.setenv("LS_FAIRSEQ_REFERENCE", "softmax")
+    assert route.pick(cuda) == "kernel"
+    monkeypatch.setenv("LS_FAIRSEQ_REFERENCE", "layer_norm")
+    assert route.pick(cuda) == "reference"
+    monkeypatch.setattr(dispatch, "_C", None)
+    monkeypatch.delenv("LS_FAIRSEQ_REFERENCE")
+    assert route.pick(cuda) == "reference"
+    with pytest.raises(ValueError, match="unknown op 'layernorm'"):
+        dispatch.Route("layernorm", kernel=None, reference=None)
+
+
+@pytest.mark.gpu
+def test_every_route_has_its_kernels_where_the_extension_is_loaded():
+    assert dispatch.extension() is not None, dispatch.extension_error()
+    for where, route in routes().items():
+        kernels = route.kernel if isinstance(route.kernel, tuple) else (route.kernel,)
+        assert all(callable(k) for k in kernels), where

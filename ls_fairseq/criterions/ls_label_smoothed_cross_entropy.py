@@ -6,7 +6,8 @@ Same formula (eps_i = eps / (V - 1)), same logging outputs and metrics
 --ignore-prefix-size) as fairseq's criterion, which it extends. It also logs
 throughput for TensorBoard: ``mfu`` (wps x model FLOPs per target token, see
 ls_fairseq.flops, over --ls-peak-tflops) and, on a GPU, ``gpu_peak_gib`` (the
-peak memory of the step); neither needs a device synchronisation.
+peak of allocated memory over the log interval's steps, CUDA graph replays
+included: ls_fairseq.memory); neither needs a device synchronisation.
 """
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
-from ls_fairseq import ops
+from ls_fairseq import memory, ops
 
 
 @dataclass
@@ -35,6 +36,7 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                  ls_peak_tflops=989.0):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         self.peak_flops = ls_peak_tflops * 1e12
+        memory.track()  # fairseq's trainer resets the allocator's peak before reduce_metrics reads it
 
     def forward(self, model, sample, reduce=True):
         if self.report_accuracy:  # fairseq's forward, which reads the accuracy counts back from the device
@@ -84,8 +86,7 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
                 if "wps" in meters
                 else 0.0,
             )
-        if torch.cuda.is_available():
-            metrics.log_scalar("gpu_peak_gib", torch.cuda.max_memory_allocated() / 2**30, round=2)
+        memory.log_peak("gpu_peak_gib", round=2)
 
     def get_logits_and_target(self, model, net_output, sample):
         logits = net_output[0]

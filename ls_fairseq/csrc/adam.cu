@@ -17,6 +17,9 @@
 // (1 / loss scale x host factor x clip coefficient), Adam's step count (not
 // advanced by a skipped step) and the dynamic loss scale (halved on overflow,
 // doubled after scale_window good steps). The host never reads any of it.
+// Never written to memory: the unscaled, clipped or weight-decayed gradient, the bias-corrected
+// moments, the fp32 update of a parameter kept without a master copy; each lives in registers
+// between one read and one write of the workspace.
 #include "common.cuh"
 
 namespace ls {
@@ -125,9 +128,9 @@ __device__ void scaler_epilogue(float sum_squares, const NormEpilogue& e) {
   }
 }
 
-// V elements a load (16 bytes when x is aligned), four loads of a thread in flight, then the
-// elements past the last whole vector one by one: the whole workspace (~426 MB for
-// transformer-big in fp16) is read at copy speed, not at the ~30% that 2-byte loads reach.
+// V elements per load (16 bytes when x is aligned), four loads per thread in flight, then the
+// elements past the last whole vector one by one, so that the whole workspace (~426 MB for
+// transformer-big in fp16) is read at copy speed; 2-byte loads reach a fraction of it.
 template <typename T, int V>
 __global__ void grad_norm_kernel(const T* __restrict__ x, int64_t n, float* __restrict__ partial,
                                  unsigned* __restrict__ counter, float* __restrict__ out, NormEpilogue e) {

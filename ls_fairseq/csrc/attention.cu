@@ -6,8 +6,8 @@
 // and multiplies them on the tensor cores (WMMA, fp32 accumulation).
 // Never written to memory: the [Tq, Tk] scores, probabilities and their gradients
 // (forward and backward recompute them from q, k and each row's log-sum-exp, the
-// one value a query row keeps), the keep-mask (drawn from Philox for each block's
-// range of the [B, heads, Tq, Tk] element index, again in backward).
+// one value kept per query row), the keep-mask (drawn from Philox for each block's
+// range of the [B, heads, Tq, Tk] element index, and drawn again in backward).
 // LightSeq2 technique: its fused masked softmax + dropout with the attention GEMMs
 // around it, taken one step further (FlashAttention's recompute instead of stored
 // probabilities). For the short rows of translation batches the library
@@ -50,7 +50,7 @@ struct Layout {
   __host__ __device__ size_t probs() const { return size_t(lq) * ldp * sizeof(T); }
   __host__ __device__ size_t scores() const { return size_t(lq) * lds * sizeof(float); }
   __host__ __device__ size_t bits(int tq, int tk) const { return (size_t(tq) * tk / 8 + 2 + 8 + 31) / 32 * 32; }
-  // the rows' log-sum-exps (backward) and the batch row's key padding, read once a block
+  // the rows' log-sum-exps (backward) and the batch row's key padding, read once per block
   __host__ __device__ size_t row_info(int tk) const { return (size_t(lq) * sizeof(float) + tk + 31) / 32 * 32; }
 };
 
@@ -84,8 +84,8 @@ __device__ void load_rows(T* dst, const T* src, int64_t stride, int rows, int pa
 
 using Acc = wmma::fragment<wmma::accumulator, kTile, kTile, kTile, float>;
 
-// C = A B over [m, n] tiles of 16, k in tiles of 16, one warp a tile, each tile handed to
-// `put(acc, m0, n0)`. A tile (m0, kk) sits at a + m0 * a_m + kk * a_k, B's (kk, n0) at
+// C = A B over [m, n] in tiles of 16 (k in tiles of 16 too), one warp per tile, each tile handed to
+// `put(acc, m0, n0)`. A's tile (m0, kk) sits at a + m0 * a_m + kk * a_k, B's (kk, n0) at
 // b + kk * b_k + n0 * b_n (element strides of the layouts LA and LB, pitch lda and ldb).
 template <typename T, typename LA, typename LB, typename Put>
 __device__ void gemm(const T* a, int lda, int a_m, int a_k, const T* b, int ldb, int b_k, int b_n, int m, int n,
@@ -157,9 +157,9 @@ __device__ void gemm_tn(const T* p, int ldp, const T* y, int m, int k, const Put
   gemm<T, wmma::col_major, wmma::row_major>(p, ldp, 1, ldp, y, kLdh, kLdh, 1, m, kAttnHeadDim, k, put);
 }
 
-// The keep-bits of the block's elements base .. base + n - 1 of the [B, heads, Tq, Tk] index, a byte
-// per Philox group of 8 (keep8's draw, so Dropout.mask() writes the same mask); the bit of the block's
-// element e (0 .. n - 1): keep_bit(bits, (base & 7) + e).
+// Draws the keep-bits of the block's elements base .. base + n - 1 of the [B, heads, Tq, Tk] index,
+// one byte per Philox group of 8 (keep8's draw, so that Dropout.mask() writes the same mask). The bit
+// of the block's element e (0 .. n - 1) is keep_bit(bits, (base & 7) + e).
 __device__ void draw_keep_bits(const RngState& rng, uint64_t base, int n, float p, uint8_t* bits) {
   const uint64_t g0 = base >> 3, groups = ((base + n - 1) >> 3) - g0 + 1;
   for (uint64_t g = threadIdx.x; g < groups; g += kThreads) {
@@ -217,8 +217,9 @@ struct RowLanes {
   }
 };
 
-// The forward's softmax rows, a warp a row, a lane kCols columns (lane, lane + 32; kCols = 1 where the
-// keys fit in one column a lane): Pd (dropped and scaled) into p_s, each row's log-sum-exp into lse.
+// The forward's softmax rows, one warp per row and kCols columns per lane (lane, lane + 32; kCols = 1
+// when the keys fit in one column per lane): Pd (dropped and scaled) into p_s, each row's log-sum-exp
+// into lse.
 template <int kCols, typename T>
 __device__ void forward_rows(const Layout& l, const BlockMask& mask, const float* s_s, T* p_s,
                              const uint8_t* bits, int bit0, float p, float* lse) {

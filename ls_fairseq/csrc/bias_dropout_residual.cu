@@ -3,8 +3,8 @@
 // Fuses: bias add, dropout (mask drawn in-kernel from Philox), residual add.
 // Never written to memory: x + bias, the dropped value. The keep-mask is written
 // as bits, 1/16 of the output's bytes in fp16 (LightSeq2's bias+dropout+residual
-// fusion stores a byte an element), which backward reads: drawing them again
-// there cost more than the read (18th session).
+// fusion stores a byte per element), and the backward reads them: drawing them
+// again there cost more than the read (docs/perf-log.md, "Kernel design measurements").
 // Backward: dx = dout * keep / (1 - p), dresidual = dout (returned as is by the
 // autograd Function), dbias = column sum of dx, fused into the same pass.
 #include "common.cuh"

@@ -51,9 +51,10 @@ __device__ __forceinline__ void unpack(const Pack<T, N>& pk, float (&out)[N]) {
   for (int i = 0; i < N; ++i) out[i] = to_f(pk.v[i]);
 }
 
-// bf16 by 32-bit words, a pair each: a bf16 is the upper half of its fp32 value, so a word's two
-// values are a shift and a mask. Element by element, its 16-bit moves cost the embedding backward's
-// chunk kernel 168 bytes of spills at its 64 registers, and the softmax backward 4 registers (42 -> 38).
+// Unpacks bf16 values two at a time from 32-bit words. A bf16 value is the upper half of its fp32
+// value, so a word's two values come out with one shift and one mask. Converting element by element
+// takes 16-bit moves, which made the embedding backward's chunk kernel spill and the softmax backward
+// use more registers (docs/perf-log.md, "Kernel design measurements").
 template <int N>
 __device__ __forceinline__ void unpack(const Pack<__nv_bfloat16, N>& pk, float (&out)[N]) {
   if constexpr (N % 2 == 0) {
@@ -75,9 +76,10 @@ __device__ __forceinline__ void load(const T* p, float (&out)[N]) {
   unpack(load_pack<T, N>(p), out);
 }
 
-// A 16-byte pack leaves as one 16-byte store (__stwb of a uint4): the plain store of a Pack compiled to
+// Stores a 16-byte pack as one 16-byte store (__stwb of a uint4). A plain store of a Pack compiled to
 // 16-bit pieces in some kernels (the attention output, the LayerNorm backward's dx), and a plain store
-// of the uint4 to four 32-bit ones in the attention kernels (run 45: backward 0.069 -> 0.085 ms).
+// of the uint4 compiled to four 32-bit stores in the attention kernels, which slowed the attention
+// backward (docs/perf-log.md, "Kernel design measurements").
 template <typename T, int N>
 __device__ __forceinline__ void store(T* p, const float (&in)[N]) {
   Pack<T, N> pk;
@@ -108,9 +110,10 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// e^x and 2^x by the SFU's ex2.approx with results below 2^-126 flushed to zero: a multiply and one
-// MUFU. (__expf and exp2f keep such results by rescaling around the MUFU, ~5 instructions more an
-// element, for values that no probability stored in 16 bits, nor a sum of them in fp32, holds.)
+// e^x and 2^x on the special function unit (ex2.approx), with results below 2^-126 flushed to zero:
+// one multiply and one MUFU instruction. __expf and exp2f keep such tiny results by rescaling around
+// the MUFU, which costs about five more instructions per element, for values that no probability
+// stored in 16 bits, and no fp32 sum of such probabilities, can hold.
 __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -118,8 +121,8 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 }
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 __device__ __forceinline__ float exp_ftz(float x) { return exp2_ftz(x * kLog2e); }
-// 1 / x and log2(x) by the SFU, for x in the normal range (no rescaling of subnormal x; 0 gives inf
-// and -inf)
+// 1 / x and log2(x) on the special function unit, for x in the normal range: subnormal x is not
+// rescaled, and 0 gives inf and -inf.
 __device__ __forceinline__ float rcp_ftz(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -237,18 +240,21 @@ __device__ __forceinline__ uint4 philox(uint4 c, uint2 k) {
 // kernel, so a kernel that takes it from the host and one that forms it agree to the bit.
 __host__ __device__ __forceinline__ float dropout_scale(float p) { return p > 0.f ? 1.f / (1.f - p) : 1.f; }
 
-// The keep threshold of p, ceil(65536 p) (below 2^16: p < 1), in the upper half of a word: a 16-bit
-// uniform u in either half of a random word is >= it when the word, or the word shifted up a half,
-// is (no mask or shift down). The host (RoundKeys) and the device compute it the same way.
+// The keep threshold of p, ceil(65536 p), in the upper half of a 32-bit word (it is below 2^16, since
+// p < 1). An element's 16-bit uniform u is one half of a random word, and u reaches the threshold
+// exactly when the word (u in the upper half) or the word shifted up by 16 bits (u in the lower half)
+// reaches the shifted threshold, so no mask or downward shift is needed. The host (RoundKeys) and the
+// device compute it the same way.
 __host__ __device__ __forceinline__ unsigned keep_threshold(float p) {
   const unsigned t = unsigned(ceilf(p * 65536.f));
   return (t < 0xFFFFu ? t : 0xFFFFu) << 16;
 }
 
-// The ten round keys of a seed known on the host, passed as a kernel parameter: each round xors
-// its key from the constant bank, a Philox call without the key schedule's 20 adds (the softmax
-// forward: 4.42M -> 3.97M instructions, 8.35 -> 7.71 us, run 81). A launch captured in a CUDA graph
-// reads its seed on the device, or a given mask replaces the draw: `valid` false.
+// The ten round keys of a seed known on the host, passed as a kernel parameter. Each Philox round
+// then reads its key from the constant bank, which saves the key schedule's 20 adds per call (fewer
+// instructions and a faster softmax forward: docs/perf-log.md, "Kernel design measurements"). The keys are not valid (`valid` false) when the
+// launch is captured in a CUDA graph, which reads its seed on the device, or when a given mask
+// replaces the draw.
 struct RoundKeys {
   uint2 k[10];
   unsigned threshold;  // keep_threshold(p): no per-draw conversion of p
@@ -318,8 +324,8 @@ __device__ __forceinline__ __half round_stochastic<__half>(float x, unsigned r) 
 // Philox call gives 128 bits, 16 per element: element i is kept when its 16-bit
 // uniform u satisfies u >= p * 65536 (rounded up), i.e. with probability
 // 1 - ceil(65536 p) / 65536, within 2^-16 of 1 - p. Philox is the costly part of a
-// dropout kernel (10 rounds of two 32-bit multiply-highs): 16 bits an element
-// halve it against 32.
+// dropout kernel (10 rounds of two 32-bit multiply-highs), and 16 bits per element
+// need half the calls that 32 would.
 __device__ __forceinline__ void keep8_of(uint4 r, unsigned threshold, bool (&keep)[8]) {
   const unsigned w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
@@ -364,10 +370,6 @@ __device__ __forceinline__ void keep_run(const RngState& rng, uint64_t e, float 
   }
 }
 
-// The keep-bits of elements e .. e + N - 1 written to rng.bits (when set) by the forward that drew
-// them (e a multiple of N). N < 8 (fp32's 4-element vectors, the one-element path): the thread of
-// the byte's first element draws the byte's eight bits (keep8, the same pure function of the state
-// and e that its keep_run called) and writes the byte.
 // keep[i0 .. i0 + 7] as one byte of keep-bits (bit j: element i0 + j kept)
 template <int N>
 __device__ __forceinline__ uint8_t keep_byte(const bool (&keep)[N], int i0 = 0) {
@@ -377,6 +379,10 @@ __device__ __forceinline__ uint8_t keep_byte(const bool (&keep)[N], int i0 = 0) 
   return uint8_t(byte);
 }
 
+// Writes the keep-bits of elements e .. e + N - 1 to rng.bits (when set), in the forward that drew
+// them (e a multiple of N). With N < 8 (fp32's 4-element vectors, the one-element path) a thread
+// holds only part of a byte, so the thread of the byte's first element draws all eight bits (keep8,
+// the same pure function of the state and e that keep_run called) and writes the byte.
 template <int N>
 __device__ __forceinline__ void record_keeps(const RngState& rng, uint64_t e, float p, const bool (&keep)[N]) {
   if (!rng.bits) return;
@@ -390,10 +396,10 @@ __device__ __forceinline__ void record_keeps(const RngState& rng, uint64_t e, fl
   }
 }
 
-// A dropout's keep-bits in a backward: read from the bits the forward stored, or drawn again
-// from the forward's state, or (`draw` false) every element kept, for N <= 8 elements in one
-// byte of the bits: a kernel may load the byte ahead (stored) and take the bits from it later
-// (from); run does both at once.
+// The keep-bits of a dropout in a backward, for N <= 8 elements within one byte of the bits: read
+// from the bits the forward stored, or drawn again from the forward's state, or, with `draw` false,
+// every element kept. A kernel may load the byte early (stored) and extract the bits later (from),
+// so that the load is in flight while it does other work; run does both at once.
 struct Redraw {
   RngState rng;
   bool draw;

@@ -1,7 +1,8 @@
-// dropout: the keep-mask a dropout call draws, written out. No op stores a byte mask
-// (a backward draws the keep-bits again from the forward's Philox state, or reads the
-// bits its forward stored, where LightSeq2 keeps a byte an element); this kernel writes
-// one for tests and inspection, from the same keep_run every fused kernel calls.
+// dropout: the keep-mask a dropout call draws, written out. It fuses nothing and is not on the
+// training path. No op stores a byte mask (a backward draws the keep-bits again from the
+// forward's Philox state, or reads the bits its forward stored, where LightSeq2 keeps a byte
+// per element); this kernel writes one for tests, inspection and scripts/parity_ls_masks, from
+// the same keep_run that every fused kernel calls.
 #include "common.cuh"
 
 namespace ls {

@@ -2,23 +2,22 @@
 // bias_dropout_residual, bias_act_dropout and embedding:
 //   out[r, c] = F.finish(r, c, keep[r, c] ? F.values(r, c) / (1 - p) : 0)
 // A thread takes V adjacent columns of a row (16-byte vectors when cols and every
-// pointer allow, else V = 1), a block's x index the rows: no division or modulo by
-// cols anywhere. The keep-mask comes from Philox (keep_run, a function of the element
-// index r * cols + c only, so any launch shape draws the same mask, and a backward kernel
-// draws it again from the same RngState); it is written only as bits, where the RngState
-// asks. The thread issues its loads (F.fetch), draws the keep-bits while they are in flight,
-// then computes. F provides
+// pointer allow, else V = 1), and a block's x index is its row, so no thread divides by
+// cols or takes a modulo. The keep-mask comes from Philox (keep_run, a function of the
+// element index r * cols + c only, so every launch shape draws the same mask, and a
+// backward kernel draws it again from the same RngState); it is written only as bits, and
+// only where the RngState asks for them. The thread issues its loads (F.fetch), draws the
+// keep-bits while they are in flight, then computes. F provides
 //   template <int N> struct In;                                            // what fetch loaded
 //   template <int N> In<N> fetch(int64_t r, int c) const;                  // N elements from (r, c)
 //   template <int N> void values(const In<N>& in, float (&v)[N]) const;
 //   template <int N> void finish(const In<N>& in, float (&v)[N]) const;    // in place
-// A map whose row addresses wait on loads of their own (the embedding's ids) provides instead of
-// fetch(r, c)
+// A map whose row addresses depend on loads of their own (the embedding's ids) provides,
+// instead of fetch(r, c),
 //   Located locate(int64_t r) const;                                       // issues those loads
 //   template <int N> In<N> fetch(const Located& at, int c) const;
-// and the thread draws while locate's loads are in flight, then fetches: drawing after fetch left
-// the draw behind two dependent loads (the embedding forward, 8,192 x 1,024 fp16, in a CUDA graph:
-// 14.3 us; drawing first 13.1 through this map's former shape, 11.2 as a plain kernel; runs 60-61).
+// and the thread draws while locate's loads are in flight, then fetches. Drawing after fetch
+// left the draw waiting behind two dependent loads (docs/perf-log.md, "Kernel design measurements").
 #pragma once
 
 #include "common.cuh"
@@ -38,10 +37,10 @@ __device__ __forceinline__ void add_unpacked(const Pack<T, N>& x, const Pack<T, 
 template <typename F>
 concept Locating = requires(const F& f, int64_t r) { f.locate(r); };
 
-// A block takes threads x V columns of one row: grid x the rows, grid y the column blocks, so no
-// thread loops (a loop over rows by gridDim.y cost the embedding forward 0.5 us of 13), and DROP
-// (p > 0) is a template argument, so a thread with dropout carries no test of p and one without
-// draws nothing (rows on y with p tested at run time: 12.6 us; rows on x with DROP: 12.0; run 61).
+// A block takes `threads` x V columns of one row: grid x indexes the rows and grid y the column
+// blocks, so no thread loops (a loop over the rows by gridDim.y made the embedding forward
+// slower). DROP (p > 0) is a template argument, so a thread with dropout carries no test of p and
+// one without draws nothing; testing p at run time was slower (docs/perf-log.md, "Kernel design measurements").
 template <typename T, int V, bool DROP, typename F>
 __global__ void dropout_map_kernel(F f, T* __restrict__ out, int64_t row0, int col0, int cols, float p,
                                    RngState rng) {

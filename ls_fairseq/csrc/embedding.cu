@@ -1,27 +1,24 @@
-// embedding: out[i] = dropout(scale * weight[token_i] + pos_weight[position_i]),
-// zero for padding tokens; pos_weight is the learned table or fairseq's
-// sinusoid table (ls_fairseq/ops/embedding.py passes it).
-// Fuses: lookup, scale, positional add, padding zeroing, dropout (Philox mask,
-// not stored by the forward: the backward draws the keep-bits again from the forward's state,
-// as bits, beside its sorts): LightSeq2's fused embedding layer, whose backward added
-// half-precision atomics.
+// embedding: out[i] = dropout(scale * weight[token_i] + pos_weight[position_i]), zero for padding
+// tokens; pos_weight is the learned table or fairseq's sinusoid table (ls_fairseq/ops/embedding.py
+// passes it).
+// Fuses: lookup, scale, positional add, padding zeroing and dropout. LightSeq2 technique: its fused
+// embedding layer (whose backward adds with half-precision atomics, which this one avoids).
+// Never written to memory: the dropout mask as bytes (the forward stores nothing; the backward
+// draws the keep-bits again from the forward's state beside its sorts, as bits in its workspace,
+// 1/16 of dout's bytes), and fp32 copies of dout or of the table.
 // Backward: dtable[t] = sum over tokens i with token_i = t != pad of
-// scale * dout[i] * keep / (1 - p), accumulated in fp32 without atomics, so the
-// result is deterministic: the ids are sorted beforehand (up to 12,288 ids by rank: slices
-// of the id-and-position keys ordered in one launch, each key placed by binary searches in
-// them in a second; more with cub's device-wide radix sort), which lines up each id's tokens
-// as a run of sorted positions. The
-// sorted positions are cut into chunks of kChunkRows; one warp walks a chunk's
-// rows in order over a slice of the columns (kRowsInFlight rows' loads in flight),
-// so a frequent token's long run (hundreds of tokens of "," or "the" in a real
-// batch) is summed by many warps side by side, not walked by one. A run inside one
-// chunk is written to the table at once; a run across chunks leaves its pieces'
-// fp32 sums in the chunks' head/tail slots, and a second kernel adds them in chunk
-// order. Accumulating into a gradient (ls_adam's workspace), the rows of ids absent
-// from the batch keep what they held; into a new tensor, the second kernel's other
-// blocks write zeros to those rows alone (no zero-fill of the whole table first).
-// Never written to memory: the dropout mask as bytes (the backward's keep-bits are 1/16 of dout's
-// bytes in its workspace), fp32 copies of dout or of the table.
+// scale * dout[i] * keep / (1 - p), accumulated in fp32 without atomics, so the result is
+// deterministic. The ids are sorted first, which lines up each id's tokens as a run of sorted
+// positions. Up to 12,288 ids are sorted by rank: one launch orders slices of the id-and-position
+// keys, and a second places each key by binary searches in them. More ids go through cub's
+// device-wide radix sort. The sorted positions are cut into chunks of kChunkRows; one warp walks a
+// chunk's rows in order over a slice of the columns, with kRowsInFlight rows' loads in flight, so a
+// frequent token's long run (hundreds of tokens of "," or "the" in a real batch) is summed by many
+// warps side by side, not walked by one. A run inside one chunk is written to the table at once; a
+// run across chunks leaves its pieces' fp32 sums in the chunks' head/tail slots, and a second
+// kernel adds them in chunk order. When accumulating into a gradient (ls_adam's workspace), the
+// rows of ids absent from the batch keep what they held; when writing a new tensor, the second
+// kernel's other blocks write zeros to those rows alone (no zero-fill of the whole table first).
 #include <cub/device/device_radix_sort.cuh>
 
 #include "common.cuh"
@@ -37,9 +34,9 @@ struct EmbForward {
   const T* pos_weight;
   int dim, padding_idx;
   float scale;
-  // the row's values, converted in fetch; the ids' loads first (locate), the keep-bits drawn while
-  // they are in flight (dropout_map.cuh). Four rows a thread, their ids' loads in flight together,
-  // made the forward slower (17th session: 0.013 -> 0.015 ms).
+  // The row's values, converted in fetch. The ids are loaded first (locate), and the keep-bits are
+  // drawn while those loads are in flight (dropout_map.cuh). Four rows per thread, with their ids'
+  // loads in flight together, made the forward slower.
   template <int N>
   struct In {
     float v[N];
@@ -72,24 +69,22 @@ struct EmbForward {
   __device__ void finish(const In<N>&, float (&)[N]) const {}
 };
 
-// A chunk's rows are summed one after another by one warp: ~300 instructions a row (a Philox
-// call among them, before the keep-bits were drawn beside the sorts), so at 32 rows a chunk the
-// 1,024 warps of 8,192 ids (8 an SM) left the kernel bound by the latency of each warp's
-// instructions (ncu: 5 cycles a warp's instruction, 12% occupancy, 34 us); 8 rows a chunk make four
-// times the warps at fewer registers.
-constexpr int kChunkRows = 8;     // sorted positions per chunk: one a lane of the warp that sums them
-constexpr int kChunkWarps = 4;    // chunks a block (one column slice)
-// rows of a chunk a lane loads before it adds any: accumulating, 2 (with each run's table row, 4 took
-// 84 registers unbounded); writing a new table, 4 (62 registers at 8 blocks an SM, no spills). With
-// the merge's shared memory sized to the ids, harness at 8,192 ids (run 89): backward, uniform ids
-// 38.05 -> 36.5 us, Zipf 39.5 -> 37.65
+// One warp sums a chunk's rows one after another, at a few hundred instructions per row. With 32
+// rows per chunk, 8,192 ids made only 1,024 warps (8 per SM), and the kernel was bound by the
+// latency of each warp's instruction chain at low occupancy (docs/perf-log.md, "Kernel design measurements"). 8 rows per chunk give four
+// times the warps, each with fewer registers.
+constexpr int kChunkRows = 8;     // sorted positions per chunk: one per lane of the warp that sums them
+constexpr int kChunkWarps = 4;    // chunks per block (one column slice)
+// The rows of a chunk a lane loads before it adds any: 2 when accumulating (with each run's table
+// row also loaded, 4 took 84 registers without bounds), 4 when writing a new table (62 registers at
+// 8 blocks per SM, no spills).
 template <bool ACCUMULATE>
 constexpr int kRowsInFlight = ACCUMULATE ? 2 : 4;
 constexpr int kJoinChunks = 4;    // head slots a join's lane loads at once
 constexpr int kJoinLanes = 4;     // a join's lanes, each walking every 4th continued chunk
-constexpr int kFinishThreads = 256;  // the finish kernel's blocks: a join's columns, or 8 zeroed rows
-constexpr int kJoinBlocks = 256;     // the finish kernel's blocks that join (each every 256th crossing run)
-constexpr int kChunkBlocksPerSM = 8;  // 32 warps an SM: at most 64 registers
+constexpr int kFinishThreads = 256;  // the finish kernel's block size: a join's columns, or 8 zeroed rows
+constexpr int kJoinBlocks = 256;     // the finish kernel's blocks that join (each takes every 256th crossing run)
+constexpr int kChunkBlocksPerSM = 8;  // 32 warps per SM, so at most 64 registers per thread
 static_assert(kChunkRows <= 32 && kChunkRows % kRowsInFlight<false> == 0 && kChunkRows % kRowsInFlight<true> == 0,
               "a chunk's positions are lanes of one warp, walked in whole groups of rows");
 
@@ -103,19 +98,19 @@ __device__ __forceinline__ void write_row(T* dtable, bool accumulate, int id, in
   store<T, V>(dtable + int64_t(id) * dim + c, o);
 }
 
-// A warp sums one chunk of kChunkRows sorted positions over one slice of 32 x V columns (a
-// lane's V columns a row): its lanes first load the chunk's ids and row numbers (one each), mark
-// where each run of equal ids ends, and where its sum goes. Then the warp walks the chunk's rows in
-// sorted order, kRowsInFlight at a time: all their loads (dout, and for a run that ends there the
-// table row it adds to) issued before the first add, and each row's byte of keep-bits. A run
-// that ends inside the chunk and began in it is written to the table; the chunk's first run, when
-// the previous chunk holds its start, goes to the chunk's head slot; its last run, when the next
-// chunk continues it, to its tail slot (pieces[(2 chunk + slot) dim], fp32; the finish kernel adds
-// them; the chunk goes on the list of `starts`, counted in by the word before `present`). A chunk is
-// the same kChunkRows positions whatever the ids, so a frequent token's long run is summed by many
-// warps side by side, and a batch of rare ids costs the same as one of frequent ids. ACCUMULATE: the
-// table rows are added to (ls_adam's workspace); without, each id with a run sets its bit in `present`
-// (the rows the finish kernel's zeros then leave alone).
+// A warp sums one chunk of kChunkRows sorted positions over one slice of 32 x V columns (V columns
+// per lane and row). Its lanes first load the chunk's ids and row numbers (one each) and mark where
+// each run of equal ids ends and where its sum goes. Then the warp walks the chunk's rows in sorted
+// order, kRowsInFlight at a time, issuing all their loads (dout, each row's byte of keep-bits, and
+// for a run that ends there the table row it adds to) before the first add. A run that begins and
+// ends inside the chunk is written to the table. The chunk's first run, when the previous chunk
+// holds its start, goes to the chunk's head slot; its last run, when the next chunk continues it,
+// goes to its tail slot (pieces[(2 chunk + slot) dim], fp32), and the chunk goes on the list of
+// `starts`, whose count is the word before `present`. The finish kernel adds the slots up. A chunk
+// is the same kChunkRows positions whatever the ids, so a frequent token's long run is summed by
+// many warps side by side, and a batch of rare ids costs the same as one of frequent ids. With
+// ACCUMULATE the table rows are added to (ls_adam's workspace); without it, each id with a run sets
+// its bit in `present`, and the finish kernel's zeros leave those rows alone.
 template <typename T, int V, bool ACCUMULATE>
 __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
     embedding_backward_chunk_kernel(const T* __restrict__ dout, const uint8_t* __restrict__ keep_bits,
@@ -141,9 +136,9 @@ __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
   const bool tail = ends && !head && lane == len - 1 && id == after;
   const unsigned ends_mask = __ballot_sync(kAll, ends), head_mask = __ballot_sync(kAll, head),
                  tail_mask = __ballot_sync(kAll, tail);
-  // an id's bit once: by the chunk where its run begins, in the first column slice. The most frequent
-  // ids share the bitmap's first words, and their bits set by every column slice serialised those
-  // atomics (Zipf ids: the backward 44.0 -> 39.6 us in slice 0 alone; run 64's harness)
+  // An id's bit is set once, by the chunk where its run begins, in the first column slice only. The
+  // most frequent ids share the bitmap's first words, and setting their bits from every column slice
+  // serialised those atomics (docs/perf-log.md, "Kernel design measurements").
   if (!accumulate && ends && !head && blockIdx.y == 0) atomicOr(present + (id >> 5), 1u << (id & 31));
   if (tail && blockIdx.y == 0) starts[atomicAdd(present - 1, 1u)] = int(chunk);
   const int c = (blockIdx.y * 32 + lane) * V;
@@ -194,17 +189,18 @@ __global__ void __launch_bounds__(32 * kChunkWarps, kChunkBlocksPerSM)
 }
 
 // Joins the run that crosses from chunk c into chunk c + 1 and began in chunk c: chunk c's tail
-// slot, then the head slots of the m chunks it continues into (those whose first id is the run's:
-// sorted ids, so a prefix of them). m first, the block's threads each testing one chunk's first id
-// (kFinishThreads chunks a round, counted by a barrier): then the walk's loads wait on nothing
-// but their issue, where testing each chunk before loading its slot made every step of the walk
-// two dependent loads (Zipf ids: a frequent id's run crosses ~100 chunks, and this walk is the
-// join's critical path). A block joins the columns col0 .. col0 + kFinishThreads / kJoinLanes x V - 1
-// (a part: a join's parts go to different blocks, so that its walk is split kJoinLanes ways, not
-// two: Zipf ids 43.0 -> 41.3 us, run 69's harness; 8 lanes in 4 parts, 43.3). Its threads form
-// kJoinLanes lanes; a lane's threads take the columns, lane l the chunks c + 1 + l,
-// c + 1 + l + kJoinLanes, ..., kJoinChunks loaded at once, and lane 0 adds the tail slot and the
-// lanes' sums in lane order: a fixed order, the same as the walk's before m was counted first.
+// slot plus the head slots of the m chunks it continues into (those whose first id is the run's;
+// the ids are sorted, so these are the next m chunks). m is counted first, each of the block's
+// threads testing one chunk's first id (kFinishThreads chunks per round, counted by a barrier), so
+// that the walk's loads then depend on nothing but their issue. Testing each chunk before loading
+// its slot would make every step of the walk two dependent loads; with Zipf-distributed ids a
+// frequent id's run crosses about 100 chunks, and this walk is the join's critical path.
+// A block joins the columns col0 .. col0 + kFinishThreads / kJoinLanes x V - 1, one part of the
+// row. A join's parts go to different blocks, so that each part's walk is split kJoinLanes ways,
+// which was faster than fewer lanes or more (docs/perf-log.md, "Kernel design measurements"). The block's threads form kJoinLanes
+// lanes: a lane's threads take the columns, and lane l takes the chunks c + 1 + l,
+// c + 1 + l + kJoinLanes, ..., kJoinChunks of them loaded at once. Lane 0 adds the tail slot and
+// the lanes' sums in lane order: a fixed order, so the result is deterministic.
 template <typename T, int V>
 __device__ void join_run(const int* __restrict__ sorted_ids, const float* __restrict__ pieces, T* __restrict__ dtable,
                          bool accumulate, int64_t c, int col0, int64_t n, int dim, float scale) {
@@ -259,7 +255,7 @@ __device__ void join_run(const int* __restrict__ sorted_ids, const float* __rest
 
 // Without `accumulate`: zeros in table row r when its id is absent from the batch (no bit in
 // `present`) or is the padding row, so that the chunk kernel's rows and these make the whole
-// table (no zero-fill first: the present rows would be written twice). A warp a row.
+// table (no zero-fill first: the present rows would be written twice). One warp per row.
 template <typename T, int V>
 __device__ void zero_absent_row(const unsigned* __restrict__ present, T* __restrict__ dtable, int64_t r, int dim,
                                 int padding_idx) {
@@ -268,13 +264,12 @@ __device__ void zero_absent_row(const unsigned* __restrict__ present, T* __restr
   for (int c = (threadIdx.x & 31) * V; c < dim; c += 32 * V) store<T, V>(dtable + r * dim + c, zeros);
 }
 
-// The joins and the zeros in one launch: the first join_blocks blocks take the chunks that start a
-// crossing run (the chunk kernel's list, in any order: each join is its own sum), the others zero
-// the absent rows, a warp a row (rows apart from the joins': those are present). One launch's ramp
-// and tail, not two, and a long join (a frequent id's run over many chunks) runs beside the zeros
-// (Zipf ids, run 47: join 15.4 us, then zeros 14.2 us, in two launches). A block a chunk, each
-// testing its chunk's ids, made the zeros wait (17th session: 3 us), and 32 chunks a block
-// serialised the joins (Zipf 41 us).
+// The joins and the zeros in one launch. The first join_blocks blocks take the chunks that start a
+// crossing run (the chunk kernel's list, in any order: each join is its own sum); the other blocks
+// zero the absent rows, one warp per row (never a join's row: those are present). One launch has
+// one ramp and tail instead of two, and a long join (a frequent id's run over many chunks) runs
+// beside the zeros instead of before them. One block per chunk, each testing its chunk's ids, made
+// the zeros wait, and 32 chunks per block serialised the joins (docs/perf-log.md, "Kernel design measurements").
 template <typename T, int V>
 __global__ void __launch_bounds__(kFinishThreads, 4)
     embedding_backward_finish_kernel(const int* __restrict__ sorted_ids, const float* __restrict__ pieces,
@@ -282,8 +277,9 @@ __global__ void __launch_bounds__(kFinishThreads, 4)
                                      T* __restrict__ dtable, bool accumulate, int join_blocks, int64_t n, int64_t rows,
                                      int dim, float scale, int padding_idx) {
   if (blockIdx.x < join_blocks) {
-    // a join's columns in parts, each a block's: (join, part) items in 32 bits (fewer than n dim / 512:
-    // below 2^32 for any dout that fits on a GPU; 64-bit division cost the scalar path 40 bytes of spills)
+    // A join's columns are split into parts, each taken by a block. The (join, part) items are counted
+    // in 32 bits: there are fewer than n dim / 512 of them, below 2^32 for any dout that fits on a GPU,
+    // and 64-bit division made the scalar path spill.
     constexpr unsigned kPartColumns = kFinishThreads / kJoinLanes * V;
     const unsigned parts = (unsigned(dim) + kPartColumns - 1) / kPartColumns, items = present[-1] * parts;
     for (unsigned i = blockIdx.x; i < items; i += join_blocks)
@@ -301,13 +297,13 @@ __device__ __forceinline__ void zero_words(unsigned* words, int64_t count, int64
   for (int64_t w = from; w < count; w += step) words[w] = 0u;
 }
 
-// The backward's keep-bits (a byte for 8 elements of dout, as record_keeps writes them), drawn by
-// blocks the sort kernels launch past their own: the sorts leave most of the GPU idle (32 and 256
-// blocks of 256 threads at 8,192 ids), and the chunk kernel, bound by each warp's chain of
-// instructions, then loads a byte a row where it drew a Philox call (its 22.3 us -> 14.1, ncu, run
-// 70). A sort kernel's extra blocks draw the bits of bytes [begin, end). All drawn beside the first
-// sort, they took it from 3.5 to 9.8 us (1M Philox calls: nearly what the chunk kernel saved); the two
-// rank sorts share them.
+// The backward's keep-bits (one byte per 8 elements of dout, as record_keeps writes them), drawn by
+// extra blocks that the sort kernels launch beyond their own. The sorts leave most of the GPU idle
+// (32 and 256 blocks of 256 threads at 8,192 ids), and the chunk kernel, bound by each warp's chain
+// of instructions, then loads a byte per row instead of making a Philox call, which makes it much
+// faster. A sort kernel's extra blocks draw the bits of bytes [begin, end). Drawing all of them
+// beside the first sort slowed that sort by nearly what the chunk kernel saved, so the two rank
+// sorts share them (docs/perf-log.md, "Kernel design measurements").
 struct KeepDraw {
   RngState rng;
   float p;
@@ -318,10 +314,10 @@ struct KeepDraw {
   static constexpr int kMaxBlocks = 16384;
 };
 
-// A byte a thread: the draw is latency-bound at the sorts' occupancy, and more threads hide more of
-// each Philox call's chain (run 74's harness, uniform ids: 4 bytes a thread 39.0 us, one 38.3). A
-// given mask is read up to its last element; drawing the last byte element by element instead (a
-// second Philox copy in the loop) took 39.8 us (run 75).
+// One byte per thread: the draw is latency-bound at the sorts' occupancy, and more threads hide more
+// of each Philox call's chain than more bytes per thread do. A given mask is read up to its last
+// element only. Handling the last byte element by element on the Philox path too (a second Philox
+// copy in the loop) was slower (docs/perf-log.md, "Kernel design measurements").
 __device__ void draw_keep_bits(const KeepDraw& d, int block) {
   const int64_t stride = int64_t(d.blocks) * blockDim.x;
   for (int64_t b = d.begin + int64_t(block) * blockDim.x + threadIdx.x; b < d.end; b += stride) {
@@ -348,16 +344,15 @@ __global__ void sort_input_kernel(const int64_t* __restrict__ ids, int* __restri
   }
 }
 
-// Up to kRankSortKeys ids (12,288: a batch of --max-tokens 8192 with its lengths padded to a
-// multiple of 8 holds up to ~10,000 ids) are sorted by rank in two launches. Id i's key is
-// id << pos_bits | i: distinct keys, in (id, position) order, so the sort is stable and its result
-// the same whatever the blocks' timing. slice_sort_kernel orders each slice of kSlice keys, each
-// key placed by the number of smaller keys in its slice (kSlice comparisons, 4 a shared-memory
-// load: the same address across a warp, a broadcast); merge_rank_kernel places each key by the
-// number of smaller keys in all slices, a binary search a slice (kSliceSteps steps). cub's block
-// radix sort, one block in 4 passes of 4 bits, took 15.7 us (run 47), its device-wide sort five
-// launches (~23 us), and one launch comparing every key with every other (67M comparisons for
-// 8,192 ids) 8.5 us (17th session).
+// Up to kRankSortKeys ids (12,288; a batch of --max-tokens 8192 with its lengths padded to a
+// multiple of 8 holds up to about 10,000 ids) are sorted by rank in two launches. Id i's key is
+// id << pos_bits | i: the keys are distinct and in (id, position) order, so the sort is stable and
+// its result does not depend on the blocks' timing. slice_sort_kernel orders each slice of kSlice
+// keys, placing each key by the number of smaller keys in its slice (kSlice comparisons, 4 per
+// shared-memory load; a warp's lanes all read the same address, a broadcast). merge_rank_kernel
+// places each key by the number of smaller keys in all slices, with one binary search per slice
+// (kSliceSteps steps). This is faster than cub's block radix sort, cub's device-wide sort (five
+// launches) and one launch comparing every key with every other (docs/perf-log.md, "Kernel design measurements").
 constexpr int kSlice = 256, kSliceSteps = 9, kMergeItems = 32, kMergeGroups = 8, kMergeChains = 4, kRankLoads = 8,
               kRankSortKeys = 12288;
 static_assert(1 << (kSliceSteps - 1) == kSlice, "the binary search's first step is the whole slice");
@@ -393,11 +388,12 @@ __global__ void __launch_bounds__(kSlice)
   sorted[blockIdx.x * kSlice + rank] = mine;
 }
 
-// Each block stages the sorted slices (n keys) in shared memory, kRankLoads 16-byte loads a thread
-// in flight at once, and places kMergeItems keys: warp g counts the keys below each in slices g,
-// g + kMergeGroups, ..., kMergeChains slices' binary searches side by side (each step waits on the
-// last; a thread searching every slice took 7.5 us for 8,192 ids), and warp 0 adds the warps' counts
-// in order (the counts in the keys' space, once they are read).
+// Each block stages the sorted slices (n keys) in shared memory, with kRankLoads 16-byte loads per
+// thread in flight at once, and places kMergeItems keys. Warp g counts the keys below each of them in
+// slices g, g + kMergeGroups, ..., running kMergeChains slices' binary searches side by side, since
+// each step of a search waits on the one before (one thread searching every slice was slower).
+// Warp 0 then adds the warps' counts in order; the counts are stored in the keys' space once the
+// keys have been read.
 __global__ void __launch_bounds__(kMergeItems * kMergeGroups)
     merge_rank_kernel(const int64_t* __restrict__ ids, const unsigned* __restrict__ sorted, int* __restrict__ keys_out,
                       int* __restrict__ order_out, int n, int pos_bits, KeepDraw draw) {
@@ -551,9 +547,8 @@ void embedding_backward(DType dt, const void* dout, const RngState* rng, const i
         draw ? int(std::min<int64_t>(ceil_div(end - begin, threads), KeepDraw::kMaxBlocks)) : 0;
     return KeepDraw{draw ? *rng : RngState{}, p, draw ? bb.keep_bits : nullptr, begin, end, n * dim, blocks};
   };
-  // a third of the bits beside the slice sort, the rest beside the merge (runs 71 and 74's harness, uniform
-  // and Zipf ids, 4 bytes a thread: 38.6 and 40.0 us, half and half 39.6 and 40.9; a byte a thread: a
-  // third 38.3 and 39.7, all beside the first sort 39.3 and 40.4)
+  // A third of the bits are drawn beside the slice sort and the rest beside the merge, which was
+  // faster than half and half, or all beside the first sort (docs/perf-log.md, "Kernel design measurements").
   const int64_t keep_bytes = BackwardBuffers::keep_bytes(n, dim), third = keep_bytes / 3;
   if (rank_sorts(n, rows)) {
     unsigned* const sorted = reinterpret_cast<unsigned*>(bb.keys_in);
@@ -561,9 +556,10 @@ void embedding_backward(DType dt, const void* dout, const RngState* rng, const i
                    second = keep_draw(third, keep_bytes, kMergeItems * kMergeGroups);
     slice_sort_kernel<<<ceil_div(n, kSlice) + first.blocks, kSlice, 0, stream>>>(ids, sorted, int(n), key_bits(n + 1),
                                                                                bb.flags, words, first);
-    // the sorted keys' bytes, not kRankSortKeys' 48 KB: the blocks that draw beside the merge are held
-    // by the kernel's shared memory (48 KB: 4 blocks an SM; 32 KB at 8,192 ids: 5, by registers); at
-    // least the warps' counts that take the keys' space once they are read (1 KB)
+    // Shared memory for the sorted keys' bytes, not kRankSortKeys' 48 KB, because the kernel's shared
+    // memory limits how many blocks that draw beside the merge run at once (48 KB allows 4 blocks per
+    // SM; 32 KB at 8,192 ids allows 5, where registers then limit it). It is at least the size of the
+    // warps' counts (1 KB), which take the keys' space once the keys have been read.
     const size_t merge_smem = std::max(size_t(n + 3) / 4 * sizeof(uint4), kMergeItems * kMergeGroups * sizeof(unsigned));
     merge_rank_kernel<<<ceil_div(n, kMergeItems) + second.blocks, kMergeItems * kMergeGroups, merge_smem, stream>>>(
         ids, sorted, bb.keys_out, bb.order_out, int(n), key_bits(n + 1), second);

@@ -19,12 +19,13 @@ enum class DType { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 // before each replay, so every replay draws new masks) and this call's offset
 // within the graph. The keep-bit of element e is a function of the state and e
 // alone: a forward kernel draws it and a backward kernel draws it again from
-// the same state, so no mask need be stored (LightSeq2 keeps a byte an element:
+// the same state, so no mask needs to be stored (LightSeq2 keeps a byte per element,
 // ~0.6 GiB of transformer-big's activations at 16,384 tokens). With `bits` set, the
-// forward also writes its keep-bits there, a bit an element (element e: bit e & 7 of
-// byte e >> 3, 1/16 of an fp16 activation), and the backward reads them instead of
-// drawing: bias_dropout_residual(_layer_norm), whose backward is a light map that the
-// Philox rounds slowed by more than the read costs (18th session).
+// forward also writes its keep-bits there, one bit per element (element e is bit e & 7
+// of byte e >> 3: 1/16 of an fp16 activation), and the backward reads them instead of
+// drawing. bias_dropout_residual(_layer_norm) do this: their backward is a light
+// elementwise pass, which the Philox rounds slowed by more than the read costs
+// (docs/perf-log.md, "Kernel design measurements").
 struct RngState {
   uint64_t seed;
   uint64_t offset;
@@ -80,9 +81,9 @@ void bias_act_dropout_backward(DType dt, const void* dout, const void* x, const 
 
 // Row chunks of the two-stage column reductions behind the bias (and gamma/beta)
 // gradients: stage one writes chunks x cols fp32 partial sums, stage two adds them
-// up in a fixed order, so the result is deterministic. At most ~32 rows a chunk
-// (LayerNorm's strips; the other maps take 64) and 512 chunks: enough blocks in flight
-// to saturate memory, partials a small fraction of the traffic.
+// up in a fixed order, so the result is deterministic. A chunk holds about 32 rows
+// (LayerNorm's strips; the other maps take 64) and there are at most 512 chunks: enough
+// blocks in flight to saturate memory, with the partial sums a small part of the traffic.
 constexpr int kMaxColumnChunks = 512;
 inline int column_chunks(int64_t rows) {
   const int64_t c = (rows + 31) / 32;

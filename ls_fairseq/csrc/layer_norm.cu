@@ -1,26 +1,27 @@
 // layer_norm: y = (x - mean) * rstd * gamma + beta over the last dimension.
-// One pass for the statistics (LightSeq2's rewritten reduction): each thread
-// accumulates sum(x - s) and sum((x - s)^2), s = the row's first element as a
-// shift that guards E[d^2] - E[d]^2 against cancellation when |mean| >> std,
-// and both sums go through one reduction. Rows of up to 32 x 16 vectors take
-// one warp each, held in registers (read once, written once, warp shuffles
-// only); other rows take a block and loop. mean and rstd (fp32, one per row)
-// are the only statistics written; backward needs x, gamma and them.
+// LightSeq2 technique: its one-pass reduction for the statistics. Each thread accumulates
+// sum(x - s) and sum((x - s)^2), where s, the row's first element, is a shift that guards
+// E[d^2] - E[d]^2 against cancellation when |mean| >> std, and both sums go through one
+// reduction. Rows of up to 32 x 16 vectors take one warp each and are held in registers
+// (read once, written once, warp shuffles only); other rows take a block and loop.
+// Never written to memory: any statistic but mean and rstd (fp32, one per row), which with
+// x and gamma are all the backward needs; xhat.
 // Backward:
 //   xhat = (x - mean) * rstd, g = dy * gamma
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))  (the two means in one reduction)
 //   dgamma = sum over rows of dy * xhat, dbeta = sum over rows of dy
-//   (two-stage, deterministic column reduction: chunks of rows, then the chunks).
-// bias_dropout_residual_layer_norm (post-LN's block end): the same forward with the
-// row's values made in the kernel, x = residual + dropout(h + bias) (LightSeq2's
-// bias+dropout+residual fusion, here also fused with the LayerNorm after it): x is
-// written once (backward needs it) and never read back; its backward is LayerNorm's
-// then bias_dropout_residual's, in the same kernel where LayerNorm's takes the strips below.
-// For rows of 1 to 4 x 32 vectors of 16 bytes (hidden 256 .. 1024 in fp16/bf16) one
-// kernel does dx and the chunks' column sums from one read of dy and x, a warp (or a
-// pair of warps, each with half the row) per row with the next row's loads in flight
-// during this row's reduction; other rows
-// take a dx kernel and a column-sum kernel, which read dy and x once each.
+//   (a two-stage, deterministic column reduction: chunks of rows, then the chunks).
+// bias_dropout_residual_layer_norm (post-LN's block end) fuses bias add, dropout and
+// residual add (LightSeq2's bias+dropout+residual fusion) with the LayerNorm after them:
+// the same forward, with the kernel making the row's values itself, x = residual +
+// dropout(h + bias). x is written once (the backward needs it) and never read back; x + bias
+// and the dropped values are never written. Its backward is LayerNorm's followed by
+// bias_dropout_residual's, in one kernel when LayerNorm's backward takes the strip kernel.
+// For rows of 1 to 4 x 32 vectors of 16 bytes (hidden 256 .. 1024 in fp16/bf16) that strip
+// kernel computes dx and the chunks' column sums from one read of dy and x: a warp (or a pair
+// of warps, each with half of the row) per row, with the next rows' loads in flight during
+// this row's reduction. Other rows take a dx kernel and a column-sum kernel, which read dy
+// and x once each.
 #include "common.cuh"
 #include "dropout_map.cuh"
 #include "reduce.cuh"
@@ -221,28 +222,29 @@ struct LnParamMap {
   }
 };
 
-// One pass over a strip of rows: row group g of the block takes rows g, g + kStripRows, ... of the
+// One pass over a strip of rows. Row group g of the block takes rows g, g + kStripRows, ... of the
 // strip. Each thread copies its dy and x vectors of the group's next kStages - 1 rows into its own
-// slots of a shared-memory ring (cp.async), so that the loads of kStages - 1 rows a group are in
-// flight while it computes one, at no register cost; a row's mean and rstd come from one load of 32
-// rows' statistics, a lane each, passed along by shuffles. dx is stored at once, dy * xhat and dy
+// slots of a shared-memory ring (cp.async), so that kStages - 1 rows' loads per group are in flight
+// while it computes one row, at no register cost. A row's mean and rstd come from one load of 32
+// rows' statistics, one per lane, passed along by shuffles. dx is stored at once, dy * xhat and dy
 // are added to the lane's column sums, and the block folds its warps' sums in a fixed order into
-// the strip's partial sums (column_sum_finish_kernel adds the strips up). A row group is one warp
-// holding whole rows (ITEMS x 32 vectors a lane), or, with SPLIT = 2 (ITEMS even), a pair of warps
-// each holding half the row: half the registers a thread, so more warps an SM; the halves' row
-// sums meet in shared memory behind a barrier of the pair's 64 threads only, double-buffered by
-// the row's parity so that one barrier a row suffices (a half cannot overwrite a slot its partner
-// still reads: it passed the barrier of the row in between), added in the same order by both
-// halves. (Until the 18th session the next row's dy and x waited in registers: one row in flight a
-// group, and ~2 us a row at 8 rows a group: 17.8 us at 8,192 x 1,024 fp16, 59% of copy bandwidth.)
+// the strip's partial sums (column_sum_finish_kernel adds the strips up).
+// A row group is one warp holding whole rows (ITEMS x 32 vectors per lane) or, with SPLIT = 2
+// (ITEMS even), a pair of warps each holding half of the row: half the registers per thread, so
+// more warps fit on an SM. The halves' row sums meet in shared memory behind a barrier of the
+// pair's 64 threads only. The slots are double-buffered by the row's parity, so one barrier per row
+// suffices: a half cannot overwrite a slot its partner still reads, since it has passed the barrier
+// of the row in between. Both halves add the sums in the same order.
+// Holding the next row's dy and x in registers instead of the ring kept one row in flight per group
+// and left the kernel far below copy bandwidth (docs/perf-log.md, "Kernel design measurements").
 // With a BdrTail (post-LN's block end, bias_dropout_residual_layer_norm) the kernel also does
 // bias_dropout_residual's backward on each row's dx while it holds it: dh = dx * keep / (1 - p)
-// (from dx rounded to T, as the two ops in a row compute it) is stored, and its column sums
-// (the bias's gradient) join gamma's and beta's: one kernel and one read of dx less than
-// LayerNorm's backward followed by bias_dropout_residual's. The keep-bits the forward stored
-// are loaded a row ahead, a byte a vector.
+// (from dx rounded to T, as the two ops one after the other compute it) is stored, and its column
+// sums (the bias's gradient) join gamma's and beta's. That is one kernel and one read of dx fewer
+// than LayerNorm's backward followed by bias_dropout_residual's. The keep-bits the forward stored
+// are loaded a row ahead, one byte per vector.
 constexpr int kStripRows = 4;
-constexpr int kStages = 4;  // ring slots a thread: kStages - 1 rows' loads in flight a row group
+constexpr int kStages = 4;  // ring slots per thread: kStages - 1 rows' loads in flight per row group
 
 template <typename T>
 struct BdrTail {
@@ -277,7 +279,7 @@ __global__ void __launch_bounds__(32 * kStripRows * SPLIT, SPLIT == 1 ? 1 : 2)
                              const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
                              BdrTail<T> tail, float* __restrict__ partial, int64_t rows, int hidden, int strip) {
   static_assert(ITEMS % SPLIT == 0, "a row splits into whole lane vectors");
-  constexpr int V = kVec<T>, W = ITEMS / SPLIT, C = W * 32 * V;  // a warp's vectors a lane, its columns
+  constexpr int V = kVec<T>, W = ITEMS / SPLIT, C = W * 32 * V;  // a warp's vectors per lane, its columns
   constexpr int kWarps = kStripRows * SPLIT, K = BDR ? 3 : 2;     // K sums: dgamma, dbeta (, dbias)
   static_assert(kWarps * C * sizeof(float) <= strip_ring_bytes<W, SPLIT>(), "the fold fits in the ring");
   extern __shared__ uint4 ring[];

@@ -1,17 +1,16 @@
-// Two-stage deterministic column reduction fused with an elementwise map: stage one
+// Two-stage deterministic column reduction fused with an elementwise map. Stage one
 // evaluates K values per element of a [rows, cols] matrix with f (which may also store
-// what it computes, e.g. the op's dx), and writes K fp32 partial sums per (row chunk,
-// column); stage two, a kernel of its own, adds the chunks up in a fixed order and writes
+// what it computes, e.g. the op's dx) and writes K fp32 partial sums per (row chunk,
+// column). Stage two, a kernel of its own, adds the chunks up in a fixed order and writes
 // the K column sums in the storage type, or adds them to the gradients there
-// (GradOut::accumulate), rounding once. Used by every bias gradient and by LayerNorm's
-// gamma/beta gradients, so dx is written once and never re-read.
-// Stage two ran inside the map kernel, in the blocks that counted themselves in last (a
-// launch less), until a two-kernel version measured faster (bias_dropout_residual backward,
-// 8,192 x 1,024 fp16, 17th session): the tail's count-ins, one after another on the last
-// block's path, cost 2.9 us a launch, the finish kernel 1-1.5 us.
-// A thread handles V adjacent columns (16-byte accesses when the caller allows),
-// a block 32 * V columns by 8 rows at a time. (Two rows' loads issued before either's draw
-// gained bias_dropout_residual 0.2 us and cost qkv 2 us, bias_act_dropout 8: 17th session.)
+// (GradOut::accumulate), rounding once. Every bias gradient and LayerNorm's gamma/beta
+// gradients use it, so dx is written once and never read back.
+// Stage two is a separate kernel, not the tail of stage one run by the blocks that finish
+// last: those blocks' atomic count-ins, one after another on the last block's path, cost
+// more than the extra launch (docs/perf-log.md, "Kernel design measurements").
+// A thread handles V adjacent columns (16-byte accesses when the caller allows), and a
+// block 32 * V columns, 8 rows at a time. Issuing two rows' loads before either row's
+// dropout draw made qkv and bias_act_dropout slower.
 //   f: template <int N> __device__ void operator()(int64_t row, int col, float (&v)[K][N]) const;
 #pragma once
 
@@ -27,11 +26,11 @@ struct GradOuts {
 };
 
 // Stage two, for map_column_sum below and LayerNorm's strips (a block per strip of rows, all
-// columns): a block of 32 x kFinishLanes threads per 32 columns; thread (x, y) adds chunks
-// y, y + kFinishLanes, ... of column x (16 at a time: all of a thread's loads in flight at 128
-// and 256 chunks), then row y = 0 adds the lane sums in order: a fixed order, so deterministic.
-// (17th session, bias_dropout_residual backward's finish at 128 chunks: 32 lanes 2.1 us, 16
-// lanes 2.4-2.8 us, 8 lanes 1.4 us.)
+// columns). A block of 32 x kFinishLanes threads covers 32 columns: thread (x, y) adds chunks
+// y, y + kFinishLanes, ... of column x, 16 loads at a time (so all of a thread's loads are in
+// flight at 128 and 256 chunks), and then row y = 0 adds the lanes' sums in order. The order is
+// fixed, so the result is deterministic. Eight lanes were faster than 16 or 32
+// (docs/perf-log.md, "Kernel design measurements").
 constexpr int kFinishLanes = 8;
 
 template <typename T, int K>
@@ -100,9 +99,8 @@ __global__ void map_column_sum_kernel(F f, float* __restrict__ partial, int64_t 
 }
 
 // out[k][col] = sum over rows of the k-th value f gives for (row, col); partial holds
-// K x column_chunks(rows) x cols floats (the K sums' partials one after the other). Chunks of
-// kMapChunkRows rows: at 8,192 x 1,024 fp16, 64 rows a chunk took 12.4 us where 32 took 12.8
-// and 128 took 14.1 (stage one alone, bias_dropout_residual backward, timed in a CUDA graph).
+// K x column_chunks(rows) x cols floats (the K sums' partials one after the other). A chunk
+// has kMapChunkRows rows: 64 were faster than 32 or 128 (docs/perf-log.md, "Kernel design measurements").
 constexpr int kMapChunkRows = 64;
 
 template <typename T, int K, typename F>

@@ -1,27 +1,27 @@
-// softmax: attention probabilities from scores [B, heads, Tq, Tk] with the
-// key-padding mask [B, Tk] and the causal mask applied on the fly (never
-// expanded in memory), fused with dropout. A fully masked row gives zeros.
-// Launch shapes are chosen per row length at compile time, as LightSeq2 does:
-// rows of up to 1024 keys are held in registers by GROUP lanes of a warp (the
-// backward's 4 lanes for up to 32 keys, so eight short rows share a warp, the
-// forward's 2 with 16 keys each; 32 lanes with ITEMS = 8 .. 32 keys each for
-// longer ones), read once and written once; longer rows (no cap) take a block
-// each and loop. When the row length is a multiple of 8 (and the pointers
-// allow), a lane owns runs of 8 consecutive keys: 16-byte loads and stores, one
-// Philox call per 8 keep-bits; otherwise lanes interleave key by key.
-// Writes the output (the probabilities, or with dropout the kept ones) and each row's
-// log-sum-exp (4 bytes a row), never the keep-mask (backward draws the keep-bits again
-// from the forward's Philox state) nor, with dropout, the undropped probabilities. A kept
-// probability is scaled by 1 / (1 - p) in fp32 and rounded once (stock fairseq rounds
-// the probabilities to 16 bits, then scales and rounds again: an ulp apart at most, the
-// single rounding the nearer to the exact value).
+// softmax: attention probabilities from scores [B, heads, Tq, Tk] with the key-padding mask
+// [B, Tk] and the causal mask applied on the fly (never expanded in memory), fused with dropout.
+// A fully masked row gives zeros.
+// LightSeq2 technique: its fused masked softmax + dropout, with launch shapes chosen per row
+// length at compile time. Rows of up to 1024 keys are held in registers by GROUP lanes of a warp
+// and read once and written once: in the backward 4 lanes take a row of up to 32 keys, so eight
+// short rows share a warp; in the forward 2 lanes take 16 keys each; longer rows take 32 lanes
+// with ITEMS = 8 .. 32 keys each. Rows longer still (there is no cap) take a block each and loop.
+// When the row length is a multiple of 8 (and the pointers allow), a lane owns runs of 8
+// consecutive keys, which gives 16-byte loads and stores and one Philox call per 8 keep-bits;
+// otherwise the lanes interleave key by key.
+// Written: the output (the probabilities or, with dropout, the kept ones) and each row's
+// log-sum-exp (4 bytes per row). Never written to memory: the keep-mask (the backward draws the
+// keep-bits again from the forward's Philox state) and, with dropout, the undropped
+// probabilities. A kept probability is scaled by 1 / (1 - p) in fp32 and rounded once. Stock
+// fairseq rounds the probabilities to 16 bits, then scales and rounds again; the two results are
+// at most an ulp apart, and the single rounding is the nearer to the exact value.
 // Backward, from the scores and the log-sum-exp: dp = dout * keep / (1 - p);
-// dscores = P * (dp - sum_j dp_j * P_j), P_j = exp(s_j - lse) in fp32, never the 16-bit
-// probabilities: their rounding (2^-9 relative in bf16) entered the row term
-// sum_j dp_j P_j as one error common to the row, and gave the cross-attention's query
-// gradients 1.2x the error of stock fairseq's (whose softmax keeps fp32 probabilities
-// for its backward) against fp64 (session 19). The backward reads the scores where it
-// read the probabilities: the same bytes.
+// dscores = P * (dp - sum_j dp_j * P_j), with P_j = exp(s_j - lse) in fp32, never the 16-bit
+// probabilities. Their rounding (2^-9 relative in bf16) enters the row term sum_j dp_j P_j as an
+// error common to the whole row, and it gave the cross-attention's query gradients a larger
+// error against fp64 than stock fairseq's, whose softmax keeps fp32 probabilities for its
+// backward (docs/perf-log.md, "Kernel design measurements"). The backward reads the scores where it would have read the probabilities:
+// the same number of bytes.
 #include "common.cuh"
 
 namespace ls {
@@ -112,10 +112,10 @@ __device__ __forceinline__ int key_of(int lane, int k) {
 
 constexpr int kThreads = 128;
 
-// The forward's rows in registers: GROUP lanes a row (32 / GROUP rows a warp), ITEMS keys a lane.
-// Every lane takes part in the shuffles, `valid` or not (an invalid lane reads row 0). KEYS: the
-// draw from the Philox round keys of the host (`keys`). Index: the rows' and elements' (uint32_t:
-// fewer than 2^32 elements).
+// The forward's rows in registers: GROUP lanes per row (32 / GROUP rows per warp), ITEMS keys per
+// lane. Every lane takes part in the shuffles, `valid` or not (an invalid lane reads row 0). KEYS:
+// draw from the host's Philox round keys (`keys`). Index: the type of the row and element indices
+// (uint32_t when there are fewer than 2^32 elements).
 template <typename T, int ITEMS, int GROUP, bool CONTIG, bool KEYS, typename Index>
 __device__ __forceinline__ void forward_rows(const T* __restrict__ scores, const RowInfo& info, T* __restrict__ out,
                                              float* __restrict__ lse, int64_t rows, float p, float scale,
@@ -127,11 +127,10 @@ __device__ __forceinline__ void forward_rows(const T* __restrict__ scores, const
   const Index at = valid ? row : 0;  // an invalid lane reads row 0 (its shuffles need every lane)
   const T* s = scores + at * tk;
   const RowMask masked(info, at);
-  // every run's loads (scores, padding bytes) issued before any is used, none behind a branch: a
-  // lane's runs outside the row (CONTIG: tk % 8 == 0, so a run is all in or all out) load the row's
-  // first run instead. With a branch a run, each run's loads waited for the run before it to arrive
-  // (two trips to memory a thread): harness at [256, 16, 32, 32], 7.78 -> 7.31 us fp16, at Tk = 64
-  // 14.45 -> 13.17, at 128 26.2 -> 24.2 (run 86).
+  // Every run's loads (scores, padding bytes) are issued before any is used, and none sits behind a
+  // branch: a lane's runs outside the row (with CONTIG tk % 8 == 0, so a run is wholly in or out)
+  // load the row's first run instead. With a branch per run, each run's loads waited for the
+  // previous run's to arrive, two trips to memory per thread (docs/perf-log.md, "Kernel design measurements").
   Pack<T, N> raw[ITEMS / N];
   uint2 pad[ITEMS / N];
 #pragma unroll
@@ -146,8 +145,8 @@ __device__ __forceinline__ void forward_rows(const T* __restrict__ scores, const
   for (int k0 = 0; k0 < ITEMS; k0 += N) {
     const int j0 = key_of<ITEMS, GROUP, CONTIG>(lane, k0);
     unsigned hidden = ~0u;
-    // (every run's bits formed, its own or all hidden: with the padding's load unused for a run
-    // outside the row, the compiler moved that load behind a branch again)
+    // Every run's bits are formed, its own or all hidden: when the padding's load went unused for a
+    // run outside the row, the compiler moved that load behind a branch again.
     if constexpr (CONTIG) hidden = masked.run_bits(pad[k0 / N], j0) | (valid && j0 < tk ? 0u : ~0u);
     else if (valid && j0 < tk) hidden = masked.template bits<1>(j0);
     float t[N];
@@ -159,9 +158,9 @@ __device__ __forceinline__ void forward_rows(const T* __restrict__ scores, const
     }
   }
   m = group_max<GROUP>(m);
-  // exp(v - m), the max's own term exactly 1 (the exponent as one FFMA of a prescaled max, v log2(e)
-  // - m log2(e), leaves that term off 1 by m's rounding: a one-key row's log-sum-exp then missed m,
-  // its backward's P was not 1 and its dscores not 0; run 77, 3 GPU tests failed)
+  // exp(v - m), with the max's own term exactly 1. Forming the exponent as one FFMA with a prescaled
+  // max, v log2(e) - m log2(e), leaves that term off 1 by m's rounding: a one-key row's log-sum-exp
+  // then misses m, its backward's P is not 1 and its dscores are not 0 (the GPU tests catch this).
   float sum = 0.f;
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
@@ -170,12 +169,14 @@ __device__ __forceinline__ void forward_rows(const T* __restrict__ scores, const
   }
   sum = group_sum<GROUP>(sum);
   if (!valid) return;
-  // sum >= 1 when a key is unmasked (the max's term is 1): the SFU's reciprocal, no range scaling;
-  // the dropout's scale (the host's 1 / (1 - p)) folded in, so a kept probability is rounded once
+  // sum >= 1 when a key is unmasked (the max's term is 1), so the SFU's reciprocal needs no range
+  // scaling. The dropout's scale (the host's 1 / (1 - p)) is folded in, so that a kept probability
+  // is rounded once.
   const float inv = sum > 0.f ? rcp_ftz(sum) * scale : 0.f;
-  // the row's log-sum-exp, -inf for a fully masked row (the SFU's lg2, sum >= 1 as above, ample for
-  // P = exp(s - lse) in fp32): formed before the draws, one register live across them where sum and
-  // m were two (the short kernel's 4 bytes of spills at 32 registers gone), stored after the row's
+  // The row's log-sum-exp, -inf for a fully masked row (the SFU's lg2: sum >= 1 as above, and its
+  // precision is ample for P = exp(s - lse) in fp32). It is formed before the draws, so that one
+  // register stays live across them instead of two (sum and m), which keeps the short kernel from
+  // spilling at 32 registers. It is stored after the row's probabilities.
   const float row_lse = fmaf(log2_ftz(sum), kLn2, m);
   const RngState rng = resolved(rng_state);  // (seed, offset) loaded once for the row's draws
 #pragma unroll
@@ -197,8 +198,8 @@ __device__ __forceinline__ void forward_rows(const T* __restrict__ scores, const
   if (lane == 0) lse[row] = row_lse;
 }
 
-// Every layout and dtype; the draw's round keys added up on the device (the host's keys are the short
-// kernel's alone: its layout is the one run 81 measured them at).
+// Every layout and dtype, with the draw's round keys added up on the device. Only the short kernel
+// takes the host's round keys: its layout is the one they were measured faster at.
 template <typename T, int ITEMS, int GROUP, bool CONTIG>
 __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInfo info, T* __restrict__ out,
                                             float* __restrict__ lse, int64_t rows, float p, float scale,
@@ -207,14 +208,13 @@ __global__ void softmax_forward_warp_kernel(const T* __restrict__ scores, RowInf
                                                         RoundKeys{});
 }
 
-// 16-bit runs of 16 keys a lane with dropout, fewer than 2^32 elements: 32-bit indices, 32 registers,
-// 2,048 threads an SM (bench_ops' 1,024 blocks at once). The host-keys draw took 48 registers with
-// 64-bit indices, 39 with 32-bit; at 32 (4 bytes of spills), harness at [256, 16, 32, 32] (run 87):
-// 7.31 -> 6.94 us fp16, 7.43 -> 7.00 bf16. The draw from a graph's device-side seed (no spills), run
-// 88: 7.78 -> 7.25 and 7.89 -> 7.17. Bounds on the general kernel raised its other layouts' registers
-// (its 16-key instance 40 -> 48), so this is a kernel of its own. Blocks of 256 threads, not 128 (8 an
-// SM, not 16): harness (run 91) 6.86 -> 6.77 us fp16, 6.92 -> 6.88 bf16; 512 took Tk = 128 bf16 22.55
-// -> 22.7.
+// Rows of 16-bit scores in runs of 16 keys per lane, with dropout and fewer than 2^32 elements. The
+// kernel uses 32-bit indices and is bounded to 32 registers, so that 2,048 threads fit on an SM
+// (bench_ops' 1,024 blocks at once). At that bound the draw from the host's round keys spills 4
+// bytes and is still faster, and the draw from a graph's device-side seed does not spill. The
+// bound is this kernel's own because on the general kernel it raised the other layouts' register
+// counts. Blocks of 256 threads (8 per SM) were faster than 128 (16 per SM) and 512
+// (docs/perf-log.md, "Kernel design measurements").
 constexpr int kShortThreads = 256;
 template <typename T, int GROUP, bool KEYS>
 __global__ void __launch_bounds__(kShortThreads, 8)
@@ -224,7 +224,8 @@ __global__ void __launch_bounds__(kShortThreads, 8)
   forward_rows<T, 16, GROUP, true, KEYS, uint32_t>(scores, info, out, lse, rows, p, scale, rng_state, keys);
 }
 
-// A block a row (rows beyond the warp layouts, no length cap): its scores, masks and log-sum-exp.
+// A row handled by a whole block (rows beyond the warp layouts, no length cap): its scores, masks and
+// log-sum-exp.
 template <typename T>
 struct BlockRow {
   const T* s;
@@ -346,10 +347,10 @@ bool with_row_layout(int tk, bool contig, L&& launch) {
   return contig ? row_layout<8, true>(tk, launch) : row_layout<4, false>(tk, launch);
 }
 
-// The forward's: CONTIG rows of up to 128 keys take 16 keys a lane, two runs of 8, so the row's fixed
-// costs (its index, masks, reductions, log-sum-exp, the generator's state) are shared by twice the
-// keys. Harness at [256, 16, 32, 32], fp16: 8.9 -> 8.5 us (run 76), 8.2 -> 8.1 with run 77's other
-// changes; 32 keys a lane, a row a thread, 10.2 (its accesses 64 bytes apart, 36% occupancy).
+// The forward's layout: CONTIG rows of up to 128 keys take 16 keys per lane (two runs of 8), so the
+// row's fixed costs (its index, masks, reductions, log-sum-exp, the generator's state) are shared by
+// twice the keys. This was faster than 8 keys per lane, and than 32 keys per lane with a row per
+// thread, whose accesses lie 64 bytes apart (docs/perf-log.md, "Kernel design measurements").
 template <typename L>
 bool with_forward_row_layout(int tk, bool contig, L&& launch) {
   return contig && tk <= 128 ? row_layout<16, true>(tk, launch) : with_row_layout(tk, contig, launch);

@@ -28,6 +28,7 @@ from fairseq.models import (
 )
 
 from ls_fairseq import ops
+from ls_fairseq.checkpoint import check_model_state
 from ls_fairseq.flops import training_flops_per_target_token
 from ls_fairseq.models.layers import DecoderLayer, EncoderLayer
 
@@ -317,6 +318,11 @@ class LSTransformerModel(FairseqEncoderDecoderModel):
 
     def max_positions(self):
         return (self.encoder.max_positions(), self.decoder.max_positions())
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        if strict:  # a checkpoint that does not fit: say how (another architecture, dictionary, stock transformer)
+            check_model_state(self, state_dict)
+        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
     def training_flops(self, sample):
         """Model FLOPs of a training step on ``sample`` (ls_fairseq.flops), from host-side shapes only."""

@@ -1,5 +1,6 @@
 """Fused Transformer ops: one module per op, each with its PyTorch reference,
-its autograd Function and one dispatch point (see ``dispatch``)."""
+its autograd Function and one ``dispatch.Route`` to its kernel or reference;
+``workspace`` says which parameter gradients the backwards add into in place."""
 from ls_fairseq.ops.adam import adam_step, grad_norm, new_scaler_state, scaled_grad_norm
 from ls_fairseq.ops.attention import AttentionMask, attention
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout

@@ -30,6 +30,7 @@ scale (``scale_window`` > 0) it is fairseq's DynamicLossScaler without a host:
 import torch
 
 from ls_fairseq.ops import dispatch
+from ls_fairseq.ops.dispatch import _C
 
 # slots of the state vector of scaled_grad_norm; COUNTER belongs to the kernel (kept zero)
 LOSS_SCALE, GOOD_STEPS, GRAD_NORM, GRAD_SCALE, OVERFLOW, STEP, COUNTER = range(7)
@@ -95,6 +96,14 @@ def scaled_grad_norm_reference(grad, state, factor, max_norm, scale_window, scal
         state[GOOD_STEPS] = torch.where(overflow | grow, torch.zeros_like(good), good)
 
 
+# the three kernels of the "adam" op, each with its reference
+ADAM_STEP_ROUTE = dispatch.Route("adam", kernel=_C.adam_step if _C else None, reference=adam_step_reference)
+GRAD_NORM_ROUTE = dispatch.Route("adam", kernel=_C.grad_norm if _C else None, reference=grad_norm_reference)
+SCALED_GRAD_NORM_ROUTE = dispatch.Route(
+    "adam", kernel=_C.scaled_grad_norm if _C else None, reference=scaled_grad_norm_reference
+)
+
+
 def new_scaler_state(loss_scale, device):
     """The state vector of scaled_grad_norm: the given loss scale, Adam's step count 0."""
     state = torch.zeros(COUNTER + 1, dtype=torch.float32, device=device)
@@ -131,8 +140,7 @@ def adam_step(
     for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("master", master)):
         if t is not None and t.dtype != torch.float32:
             raise ValueError("adam_step: {} must be fp32, got {}".format(name, t.dtype))
-    impl = dispatch.extension().adam_step if dispatch.use_kernel("adam", param) else adam_step_reference
-    impl(
+    ADAM_STEP_ROUTE.pick(param)(
         param, grad, exp_avg, exp_avg_sq, master, float(lr), float(beta1), float(beta2), float(eps),
         float(weight_decay), step if torch.is_tensor(step) else int(step), grad_scale, bool(decoupled), noop_flag,
         bool(stochastic_rounding),
@@ -140,8 +148,7 @@ def adam_step(
 
 
 def grad_norm(grad):
-    impl = dispatch.extension().grad_norm if dispatch.use_kernel("adam", grad) else grad_norm_reference
-    return impl(grad)
+    return GRAD_NORM_ROUTE.pick(grad)(grad)
 
 
 def scaled_grad_norm(grad, state, *, factor=1.0, max_norm=0.0, scale_window=0, scale_floor=0.0):
@@ -149,5 +156,6 @@ def scaled_grad_norm(grad, state, *, factor=1.0, max_norm=0.0, scale_window=0, s
     if state.dtype != torch.float32 or state.shape != (COUNTER + 1,):
         raise ValueError("scaled_grad_norm: state must be new_scaler_state's fp32 vector of {} slots, got {} {}".format(
             COUNTER + 1, state.dtype, tuple(state.shape)))
-    impl = dispatch.extension().scaled_grad_norm if dispatch.use_kernel("adam", grad) else scaled_grad_norm_reference
-    impl(grad, state, float(factor), float(max_norm), float(scale_window), float(scale_floor))
+    SCALED_GRAD_NORM_ROUTE.pick(grad)(
+        grad, state, float(factor), float(max_norm), float(scale_window), float(scale_floor)
+    )

@@ -9,12 +9,13 @@ q arrives already scaled (the qkv op folds 1/sqrt(d_head) in). Three paths:
   softmax's row term from the fp32 probabilities and dP, and adds nothing
   with atomics, so it is deterministic;
 - the LightSeq path: GEMM (cuBLAS) -> fused masked softmax + dropout -> GEMM;
-  the reference on CPU and the oracle everywhere. On the GPU, for rows beyond
+  the reference on CPU and the oracle everywhere (fp32 on CPU without dropout
+  takes torch's scaled_dot_product_attention, the same function in one kernel). On the GPU, for rows beyond
   the fused kernel where SDPA is not taken (below), it keeps only q, k, v and
   the dropout's state: its backward runs the scores' GEMM and the softmax
-  again (the same keep-bits), where keeping the probabilities cost two
-  [B, heads, Tq, Tk] tensors a layer (at 16,384 tokens the cross-attention of
-  a batch of long sentences held 744 MiB at the memory peak: docs/perf-log.md);
+  again (the same keep-bits), because keeping the probabilities costs two
+  [B, heads, Tq, Tk] tensors a layer, which set the memory peak of batches of
+  long sentences (docs/perf-log.md);
 - torch's scaled_dot_product_attention for longer rows, which never writes the
   Tq x Tk scores either. Taken on CUDA unless the ``attention`` op is forced to
   the reference (LS_FAIRSEQ_REFERENCE), a deterministic training step is asked
@@ -26,13 +27,13 @@ q arrives already scaled (the qkv op folds 1/sqrt(d_head) in). Three paths:
   probabilities and dP. ls_transformer asks for it in cross-attention, where
   stock fairseq computes the probabilities explicitly in fp32 (its
   self-attention goes through SDPA, as ours does beyond the fused kernel's
-  rows): measured on the H200 (docs/perf-log.md), SDPA there gave the top
-  decoder layer's cross-attention query gradients 1.5-2.8x stock's error
-  against fp64 (pre-LN, unscaled shared embeddings). Its FlashAttention and
-  memory-efficient kernels only: torch prefers cuDNN's attention on Hopper,
-  which builds an execution plan for every new batch shape (about 10 ms of
-  host time per call, measured on the H200: docs/perf-log.md), so a first
-  epoch, where nearly every batch has a new shape, ran 7x slower than the next.
+  rows), because SDPA's 16-bit row term gave the top decoder layer's
+  cross-attention query gradients a larger error against fp64 than stock's
+  (docs/perf-log.md). SDPA runs with its FlashAttention and memory-efficient
+  kernels only: torch prefers cuDNN's attention on Hopper, which builds an
+  execution plan on the host for every new batch shape, so a first epoch,
+  where nearly every batch has a new shape, ran several times slower than the
+  next.
 """
 import contextlib
 
@@ -49,7 +50,8 @@ except ImportError:
     _backends = contextlib.nullcontext
 
 from ls_fairseq.ops import dispatch
-from ls_fairseq.ops.softmax import softmax, softmax_backward_reference, softmax_forward_reference
+from ls_fairseq.ops.dispatch import _C
+from ls_fairseq.ops.softmax import SOFTMAX_ROUTE, softmax
 
 
 class AttentionMask:
@@ -113,20 +115,50 @@ class ScoresFunction(torch.autograd.Function):
         return dq, dk
 
 
+def _fully_masked_row(mask, Tq, Tk):
+    """Whether some query row of ``mask`` (an AttentionMask or None) sees no key. Under the causal mask
+    query i sees keys j <= i + Tk - Tq, so the first row sees the fewest: keys 0 .. Tk - Tq."""
+    kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
+    if causal and Tq > Tk:
+        return True
+    if kpm is None:
+        return False
+    return bool(kpm[:, : Tk - Tq + 1 if causal else Tk].bool().all(-1).any())
+
+
 def attention_reference(q, k, v, mask=None, p=0.0, training=True, dropout_mask=None):
+    if (q.device.type == "cpu" and q.dtype == torch.float32 and (p == 0 or not training)
+            and not _fully_masked_row(mask, q.shape[-2], k.shape[-2])):
+        # fp32 on CPU without dropout: torch's fused attention computes this function in one kernel
+        # a direction (never writing the Tq x Tk probabilities), its backward's softmax row term
+        # rowsum(dO * O) in fp32 as well; a row that sees no key (zeros here) stays on the path below
+        attn_mask, is_causal = (mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask is not None
+                                else (None, False))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=1.0)
     scores = ScoresFunction.apply(q, k)
     kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
     probs = softmax(scores, kpm, causal, p, training, dropout_mask)
     return torch.matmul(probs, v)
 
 
+# the kernel side is the fused kernel's pair (AttentionFunction) where the rows fit it, else the LightSeq path
+# (SOFTMAX_ROUTE's kernels between cuBLAS GEMMs) or torch's scaled_dot_product_attention; the reference side is
+# attention_reference as a whole
+ATTENTION_ROUTE = dispatch.Route(
+    "attention",
+    kernel=(_C.attention_forward, _C.attention_backward) if _C else None,
+    reference=attention_reference,
+)
+
+
 class AttentionFunction(torch.autograd.Function):
-    """The fused kernel's attention: saves q, k, v and each query row's log-sum-exp (the
-    output's consumer, the out projection, keeps the output itself)."""
+    """The fused kernel's attention (``kernel``: ATTENTION_ROUTE's pair): saves q, k, v and each query
+    row's log-sum-exp (the output's consumer, the out projection, keeps the output itself)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, causal, p):
-        out, lse, dropout = dispatch.extension().attention_forward(q, k, v, key_padding_mask, causal, p)
+    def forward(ctx, q, k, v, key_padding_mask, causal, p, kernel):
+        fwd, ctx.bwd = kernel
+        out, lse, dropout = fwd(q, k, v, key_padding_mask, causal, p)
         ctx.save_for_backward(q, k, v, lse, key_padding_mask)
         ctx.causal, ctx.p, ctx.dropout = causal, p, dropout
         return out
@@ -135,9 +167,8 @@ class AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, lse, key_padding_mask = ctx.saved_tensors
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-        dq, dk, dv = dispatch.extension().attention_backward(dout, q, k, v, lse, key_padding_mask, ctx.causal,
-                                                             ctx.dropout, ctx.p)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = ctx.bwd(dout, q, k, v, lse, key_padding_mask, ctx.causal, ctx.dropout, ctx.p)
+        return dq, dk, dv, None, None, None, None
 
 
 def _keep_mask(dropout):
@@ -153,7 +184,7 @@ class RecomputedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_padding_mask, causal, p):
-        fwd, bwd = dispatch.implementation("softmax", q, softmax_forward_reference, softmax_backward_reference)
+        fwd, bwd = SOFTMAX_ROUTE.pick(q)
         dropped, _, dropout = fwd(torch.matmul(q, k.transpose(-1, -2)), key_padding_mask, causal, p, None)
         ctx.fwd, ctx.bwd, ctx.causal, ctx.p = fwd, bwd, causal, p
         dispatch.save_with_dropout(ctx, (q, k, v, key_padding_mask), dropout)
@@ -173,11 +204,10 @@ class RecomputedAttentionFunction(torch.autograd.Function):
 def _fused_kernel_fits(q, k, v):
     """Whether the fused kernel runs these inputs: 16-bit, its d_head, rows of d_head contiguous at
     16-byte boundaries (any strides over batch, heads and length), both lengths within its rows."""
-    ext = dispatch.extension()
     rows_aligned = all(t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
                        for t in (q, k, v))
-    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == ext.attention_head_dim and rows_aligned
-            and 1 <= q.shape[-2] <= ext.attention_max_len and 1 <= k.shape[-2] <= ext.attention_max_len)
+    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == _C.attention_head_dim and rows_aligned
+            and 1 <= q.shape[-2] <= _C.attention_max_len and 1 <= k.shape[-2] <= _C.attention_max_len)
 
 
 def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exact_row_term=False):
@@ -192,11 +222,12 @@ def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exa
             )
         )
     p = p if training else 0.0
-    if not dispatch.use_kernel("attention", q):
+    picked = ATTENTION_ROUTE.pick(q)
+    if picked is attention_reference:
         return attention_reference(q, k, v, mask, p, training)
     kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
     if _fused_kernel_fits(q, k, v):
-        return AttentionFunction.apply(q, k, v, kpm, causal, p)
+        return AttentionFunction.apply(q, k, v, kpm, causal, p, picked)
     if exact_row_term or (deterministic and training):
         return RecomputedAttentionFunction.apply(q, k, v, kpm, causal, p)
     attn_mask, is_causal = mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask else (None, False)

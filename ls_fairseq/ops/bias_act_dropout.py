@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from ls_fairseq.ops import dispatch
+from ls_fairseq.ops import dispatch, workspace
+from ls_fairseq.ops.dispatch import _C
 
 ACTIVATIONS = ("relu", "gelu")
 
@@ -58,12 +59,17 @@ def bias_act_dropout_backward_reference(dout, x, bias, mask, activation, p, dbia
     return dispatch.with_bias_gradient(dh, x.dtype, dbias_into)
 
 
+BIAS_ACT_DROPOUT_ROUTE = dispatch.Route(
+    "bias_act_dropout",
+    kernel=(_C.bias_act_dropout_forward, _C.bias_act_dropout_backward) if _C else None,
+    reference=(bias_act_dropout_forward_reference, bias_act_dropout_backward_reference),
+)
+
+
 class BiasActDropoutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, activation, p, mask):
-        fwd, bwd = dispatch.implementation(
-            "bias_act_dropout", x, bias_act_dropout_forward_reference, bias_act_dropout_backward_reference
-        )
+        fwd, bwd = BIAS_ACT_DROPOUT_ROUTE.pick(x)
         x = x.contiguous()
         out, dropout = fwd(x, bias, activation, p, mask)
         ctx.bwd, ctx.activation, ctx.p, ctx.bias = bwd, activation, p, bias
@@ -75,14 +81,14 @@ class BiasActDropoutFunction(torch.autograd.Function):
     def backward(ctx, dout):
         if dout is None:
             return (None,) * 5
-        into = dispatch.grad_in_place(ctx.bias)
+        into = workspace.grad_in_place(ctx.bias)
         if ctx.from_output:  # relu'(x + bias) * keep = [out > 0]: the backward with x = out, bias = 0, no dropout
             (out,), _ = dispatch.saved_with_dropout(ctx)
             dx, dbias = ctx.bwd(dout.contiguous(), out, None, None, "relu", ctx.p, into)
         else:
             (x,), dropout = dispatch.saved_with_dropout(ctx)
             dx, dbias = ctx.bwd(dout.contiguous(), x, ctx.bias, dropout, ctx.activation, ctx.p, into)
-        return dx, dispatch.for_autograd(dbias, into), None, None, None
+        return dx, workspace.for_autograd(dbias, into), None, None, None
 
 
 def bias_act_dropout(x, bias, activation="relu", p=0.0, training=True, mask=None):

@@ -7,13 +7,14 @@ the residual's gradient goes back to autograd, or to the block's first op
 """
 import torch
 
-from ls_fairseq.ops import dispatch
+from ls_fairseq.ops import dispatch, workspace
+from ls_fairseq.ops.dispatch import _C
 
 
 def bias_dropout_residual_forward_reference(x, bias, residual, p, mask):
     if p > 0 and mask is None:
         mask = dispatch.dropout_mask(x.shape, p, x.device)
-    y = dispatch.apply_dropout(dispatch.upcast(x) + dispatch.upcast(bias), mask, p) + dispatch.upcast(residual)
+    y = dispatch.apply_dropout(dispatch.upcast(x) + dispatch.upcast(bias), mask, p).add_(dispatch.upcast(residual))
     return y.to(x.dtype), mask
 
 
@@ -23,15 +24,17 @@ def bias_dropout_residual_backward_reference(dout, mask, p, dbias_into=None):
     return dispatch.with_bias_gradient(dx, dout.dtype, dbias_into)
 
 
+BIAS_DROPOUT_RESIDUAL_ROUTE = dispatch.Route(
+    "bias_dropout_residual",
+    kernel=(_C.bias_dropout_residual_forward, _C.bias_dropout_residual_backward) if _C else None,
+    reference=(bias_dropout_residual_forward_reference, bias_dropout_residual_backward_reference),
+)
+
+
 class BiasDropoutResidualFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, residual, p, mask, residual_grad):
-        fwd, bwd = dispatch.implementation(
-            "bias_dropout_residual",
-            x,
-            bias_dropout_residual_forward_reference,
-            bias_dropout_residual_backward_reference,
-        )
+        fwd, bwd = BIAS_DROPOUT_RESIDUAL_ROUTE.pick(x)
         out, dropout = fwd(x.contiguous(), bias, residual.contiguous(), p, mask)
         ctx.bwd, ctx.p, ctx.bias, ctx.residual_grad = bwd, p, bias, residual_grad
         dispatch.save_with_dropout(ctx, (), dropout)
@@ -42,7 +45,7 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
         if dout is None:
             return (None,) * 6
         dout = dout.contiguous()
-        into = dispatch.grad_in_place(ctx.bias)
+        into = workspace.grad_in_place(ctx.bias)
         _, dropout = dispatch.saved_with_dropout(ctx)
         dx, dbias = ctx.bwd(dout, dropout, ctx.p, into)
         # dout goes to a first op that only reads it (pre-LN's LayerNorm): one that accumulates into
@@ -51,7 +54,7 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
                    and ctx.needs_input_grad[2])
         if handoff:
             ctx.residual_grad.put(dout)
-        return dx, dispatch.for_autograd(dbias, into), None if handoff else dout, None, None, None
+        return dx, workspace.for_autograd(dbias, into), None if handoff else dout, None, None, None
 
 
 def bias_dropout_residual(x, bias, residual, p=0.0, training=True, mask=None, residual_grad=None):

@@ -8,10 +8,11 @@ bias_dropout_residual's). The same bits as the two ops in a row.
 """
 import torch
 
-from ls_fairseq.ops import dispatch
+from ls_fairseq.ops import dispatch, workspace
 from ls_fairseq.ops.bias_dropout_residual import (
     bias_dropout_residual_backward_reference, bias_dropout_residual_forward_reference,
 )
+from ls_fairseq.ops.dispatch import _C
 from ls_fairseq.ops.layer_norm import layer_norm_backward_reference, layer_norm_forward_reference
 
 
@@ -29,13 +30,17 @@ def bias_dropout_residual_layer_norm_backward_reference(dy, x, weight, mean, rst
     return dh, dbias, dx, dweight, dln_bias
 
 
+BIAS_DROPOUT_RESIDUAL_LAYER_NORM_ROUTE = dispatch.Route(
+    "bias_dropout_residual_layer_norm",
+    kernel=(_C.bias_dropout_residual_layer_norm_forward, _C.bias_dropout_residual_layer_norm_backward) if _C else None,
+    reference=(bias_dropout_residual_layer_norm_forward_reference, bias_dropout_residual_layer_norm_backward_reference),
+)
+
+
 class BiasDropoutResidualLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, bias, residual, weight, ln_bias, eps, p, mask, residual_grad):
-        fwd, bwd = dispatch.implementation(
-            "bias_dropout_residual_layer_norm", h, bias_dropout_residual_layer_norm_forward_reference,
-            bias_dropout_residual_layer_norm_backward_reference,
-        )
+        fwd, bwd = BIAS_DROPOUT_RESIDUAL_LAYER_NORM_ROUTE.pick(h)
         y, x, mean, rstd, dropout = fwd(h.contiguous(), bias, residual.contiguous(), weight, ln_bias, eps, p, mask)
         ctx.bwd, ctx.p, ctx.params, ctx.residual_grad = bwd, p, (bias, weight, ln_bias), residual_grad
         dispatch.save_with_dropout(ctx, (x, weight, mean, rstd), dropout)
@@ -46,7 +51,7 @@ class BiasDropoutResidualLayerNormFunction(torch.autograd.Function):
         if dy is None:
             return (None,) * 9
         (x, weight, mean, rstd), dropout = dispatch.saved_with_dropout(ctx)
-        into = [dispatch.grad_in_place(t) for t in ctx.params]
+        into = [workspace.grad_in_place(t) for t in ctx.params]
         dh, dbias, dx, dweight, dln_bias = ctx.bwd(dy.contiguous(), x, weight, mean, rstd, dropout, ctx.p, into[1],
                                                     into[2], into[0])
         dresidual = dx
@@ -57,8 +62,8 @@ class BiasDropoutResidualLayerNormFunction(torch.autograd.Function):
                 and dh.data_ptr() != dx.data_ptr()):
             ctx.residual_grad.put(dx)
             dresidual = None
-        return (dh, dispatch.for_autograd(dbias, into[0]), dresidual, dispatch.for_autograd(dweight, into[1]),
-                dispatch.for_autograd(dln_bias, into[2]), None, None, None, None)
+        return (dh, workspace.for_autograd(dbias, into[0]), dresidual, workspace.for_autograd(dweight, into[1]),
+                workspace.for_autograd(dln_bias, into[2]), None, None, None, None)
 
 
 def bias_dropout_residual_layer_norm(h, bias, residual, weight, ln_bias, p=0.0, training=True, eps=1e-5, mask=None,

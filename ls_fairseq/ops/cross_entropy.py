@@ -15,18 +15,23 @@ fp16. The caller promises that nothing else needs the logits after the loss
 import torch
 
 from ls_fairseq.ops import dispatch
+from ls_fairseq.ops.dispatch import _C
 
 
 def cross_entropy_forward_reference(logits, target, epsilon, padding_idx):
+    # torch's fused log_softmax: lp_j = logit_j - lse, so nll = -lp[target] and smooth = -sum_j lp_j;
+    # lse = max_j logit_j - max_j lp_j, where max_j lp_j = -log(sum_j exp(logit_j - max_j logit_j))
+    # (logsumexp's own two terms, so no precision is lost)
     x = dispatch.upcast(logits)
     V = x.shape[-1]
     eps_i = epsilon / (V - 1)
-    lse = torch.logsumexp(x, dim=-1)
-    nll = lse - x.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    smooth = V * lse - x.sum(-1)
+    lp = torch.log_softmax(x, dim=-1)
+    lse = x.amax(-1) - lp.amax(-1)
+    nll = lp.gather(-1, target.unsqueeze(-1)).squeeze(-1).neg_()
+    smooth = lp.sum(-1).neg_()
     loss = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
     pad = target.eq(padding_idx)
-    return loss.masked_fill(pad, 0.0), nll.masked_fill(pad, 0.0), lse
+    return loss.masked_fill_(pad, 0.0), nll.masked_fill_(pad, 0.0), lse
 
 
 def cross_entropy_backward_reference(dloss, dnll, logits, target, lse, epsilon, padding_idx, out=None):
@@ -34,23 +39,37 @@ def cross_entropy_backward_reference(dloss, dnll, logits, target, lse, epsilon, 
     # d loss / d logit_j = p_j - eps_i - (1 - eps - eps_i) [j = target]
     #   (the coefficient of p_j is (1 - eps - eps_i) + eps_i * V = 1)
     # d nll / d logit_j = p_j - [j = target]; rows with target == padding_idx get 0
+    # so per row: grad_j = w p_j - a - b [j = target] with w = dloss (+ dnll), a = eps_i dloss,
+    # b = (1 - eps - eps_i) dloss (+ dnll), all 0 at padding: three passes over the row, written over
+    # the logits when ``out`` is they (p = exp(logit - lse) = softmax(logits), torch's fused softmax)
     V = logits.shape[-1]
     eps_i = epsilon / (V - 1)
-    prob = torch.exp(dispatch.upcast(logits) - lse.unsqueeze(-1))
-    onehot = torch.zeros_like(prob).scatter_(-1, target.unsqueeze(-1), 1.0)
-    live = target.ne(padding_idx).to(prob.dtype).unsqueeze(-1)
-    grad = dispatch.upcast(dloss).unsqueeze(-1) * live * (prob - eps_i - (1.0 - epsilon - eps_i) * onehot)
+    x = dispatch.upcast(logits)
+    live = target.ne(padding_idx).to(x.dtype)
+    dl = dispatch.upcast(dloss) * live
+    w, a, b = dl, dl * eps_i, dl * (1.0 - epsilon - eps_i)
     if dnll is not None:
-        grad = grad + dispatch.upcast(dnll).unsqueeze(-1) * live * (prob - onehot)
+        dn = dispatch.upcast(dnll) * live
+        w, b = w + dn, b + dn
+    in_place = out is not None and out.dtype == x.dtype
+    grad = torch.softmax(x, dim=-1, out=out) if in_place else torch.softmax(x, dim=-1)
+    grad.mul_(w.unsqueeze(-1)).sub_(a.unsqueeze(-1)).scatter_add_(-1, target.unsqueeze(-1), b.neg().unsqueeze(-1))
+    if in_place:
+        return grad
     return grad.to(logits.dtype) if out is None else out.copy_(grad)
+
+
+CROSS_ENTROPY_ROUTE = dispatch.Route(
+    "cross_entropy",
+    kernel=(_C.cross_entropy_forward, _C.cross_entropy_backward) if _C else None,
+    reference=(cross_entropy_forward_reference, cross_entropy_backward_reference),
+)
 
 
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, epsilon, padding_idx, overwrite_logits):
-        fwd, bwd = dispatch.implementation(
-            "cross_entropy", logits, cross_entropy_forward_reference, cross_entropy_backward_reference
-        )
+        fwd, bwd = CROSS_ENTROPY_ROUTE.pick(logits)
         logits = logits.contiguous()
         loss, nll, lse = fwd(logits, target, epsilon, padding_idx)
         ctx.bwd, ctx.epsilon, ctx.padding_idx, ctx.overwrite_logits = bwd, epsilon, padding_idx, overwrite_logits

@@ -1,18 +1,30 @@
 """The one place that decides, per op and per call, kernel or reference.
 
-An op takes the compiled kernel when the extension ``ls_fairseq._C`` is loaded,
-its input lives on a CUDA device, and the op is not forced onto the reference
-path. ``LS_FAIRSEQ_REFERENCE=all`` forces every op onto its PyTorch reference;
+Each op module names in one ``Route`` what it calls in the compiled extension
+``_C`` (``ls_fairseq._C``; csrc/bindings.cpp binds each kernel under that name)
+and the PyTorch references called the same way (the op's contract), e.g.
+
+    LAYER_NORM_ROUTE = dispatch.Route(
+        "layer_norm",
+        kernel=(_C.layer_norm_forward, _C.layer_norm_backward) if _C else None,
+        reference=(layer_norm_forward_reference, layer_norm_backward_reference),
+    )
+
+and its autograd Function calls what ``LAYER_NORM_ROUTE.pick(x)`` gives: the kernels
+when the extension is loaded, x lives on a CUDA device in a dtype the kernels
+store, and the op is not forced onto the reference path; else the references.
+``LS_FAIRSEQ_REFERENCE=all`` forces every op onto its PyTorch reference;
 ``LS_FAIRSEQ_REFERENCE=layer_norm,softmax`` forces the named ones (for
-debugging and for A/B checks on the GPU). The variable is read on every call (its parsing cached),
-so tests may change it.
+debugging and for A/B checks on the GPU). The variable is read on every call
+(its parsing cached), so tests may change it.
 """
 import functools
+import glob
+import inspect
 import logging
 import os
 
 import torch
-import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -29,35 +41,46 @@ OPS = (
     "adam",
 )
 
-_ext = None
-_ext_error = None
+
+def _warn_if_older_than_sources(module_file):
+    """A notice when the extension was built before the last change of a CUDA source beside it
+    (``pip install -e .`` or ``setup.py build_ext --inplace`` builds it into the tree): it may not
+    be what the tree's ops expect. By file times, so a checkout that rewrote a source with the same
+    bytes also shows it; the extension is used all the same. Not for an installed package (no
+    setup.py above it), whose files' times are those of the installation."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(package, "..", "setup.py")):
+        return
+    sources = glob.glob(os.path.join(package, "csrc", "*"))
+    built = os.path.getmtime(module_file)
+    newer = sorted(os.path.basename(f) for f in sources if os.path.getmtime(f) > built)
+    if newer:
+        logger.warning(
+            "ls_fairseq: the CUDA extension %s is older than %s in ls_fairseq/csrc; rebuild it "
+            "(pip install -e . or python setup.py build_ext --inplace) if those sources changed", module_file,
+            ", ".join(newer),
+        )
 
 
-def _load_extension():
-    global _ext, _ext_error
-    if _ext is not None or _ext_error is not None:
-        return _ext
-    try:
-        from ls_fairseq import _C
+try:
+    import ls_fairseq._C as _C
 
-        _ext = _C
-    except ImportError as e:
-        _ext_error = str(e)
-        if torch.cuda.is_available():
-            logger.warning(
-                "ls_fairseq: CUDA extension not loaded (%s); every op uses its PyTorch reference", e
-            )
-    return _ext
+    _C_ERROR = None
+    _warn_if_older_than_sources(inspect.getfile(_C))
+except ImportError as e:
+    _C, _C_ERROR = None, str(e)
+    if torch.cuda.is_available():
+        logger.warning("ls_fairseq: CUDA extension not loaded (%s); every op uses its PyTorch reference", e)
 
 
 def extension():
-    """The compiled extension module, or None when it is not built/loadable."""
-    return _load_extension()
+    """The compiled extension module ``_C``, or None when it is not built/loadable."""
+    return _C
 
 
 def extension_error():
-    _load_extension()
-    return _ext_error
+    """Why the extension did not load; None when it did."""
+    return _C_ERROR
 
 
 @functools.lru_cache(maxsize=8)
@@ -83,71 +106,32 @@ def use_kernel(op, tensor):
     """True when ``op`` on ``tensor`` should run the compiled kernel (CUDA, a dtype the
     kernels store: fp32, fp16 or bf16; fp64 stays on the reference)."""
     assert op in OPS, op
-    return (
-        tensor.is_cuda
-        and tensor.dtype in KERNEL_DTYPES
-        and not forced_reference(op)
-        and _load_extension() is not None
-    )
+    return tensor.is_cuda and tensor.dtype in KERNEL_DTYPES and _C is not None and not forced_reference(op)
 
 
 def kernel_path(op):
     """'kernel' or 'reference': the path ``op`` takes for CUDA tensors on this machine."""
     cuda = torch.cuda.is_available()
-    if cuda and not forced_reference(op) and _load_extension() is not None:
+    if cuda and not forced_reference(op) and _C is not None:
         return "kernel"
     return "reference"
 
 
-def implementation(op, tensor, reference_forward, reference_backward):
-    """(forward, backward) for ``op`` on ``tensor``: the kernel pair
-    ``_C.<op>_forward`` / ``_C.<op>_backward`` or the reference pair, which
-    share one signature (the op's contract)."""
-    if use_kernel(op, tensor):
-        ext = _load_extension()
-        return getattr(ext, op + "_forward"), getattr(ext, op + "_backward")
-    return reference_forward, reference_backward
+class Route:
+    """How ``op`` reaches its kernel or its reference: ``kernel`` is what it calls in ``_C``
+    (None when the extension is not loaded), ``reference`` the PyTorch function(s) with the
+    same signatures; ``pick(tensor)`` gives one of the two."""
 
+    __slots__ = ("op", "kernel", "reference")
 
-IN_WORKSPACE = "ls_grad_in_workspace"  # the attribute ls_adam sets on the parameters it holds
-# set by ls-fairseq-train's optimizer when no autograd hook watches the gradients under
-# data-parallel training (one, or --ddp-backend legacy_ddp: ls_adam all-reduces its workspace)
-NO_GRAD_HOOKS = "ls_grad_without_hooks"
+    def __init__(self, op, kernel, reference):
+        if op not in OPS:
+            raise ValueError("Route: unknown op {!r}; known: {}".format(op, ", ".join(OPS)))
+        self.op, self.kernel, self.reference = op, kernel, reference
 
-
-def grad_in_place(param):
-    """``param.grad`` when a backward should add ``param``'s gradient to it in place, else None.
-
-    LightSeq2's layers write parameter gradients straight into the gradient workspace.
-    autograd would compute each into a new tensor and then add it to the existing
-    ``.grad`` (ls_adam keeps every gradient alive as a view of its workspace): one more
-    kernel, one more temporary and one more autograd node per parameter and step. So
-    for parameters that ls_adam holds (it sets ``IN_WORKSPACE`` on them; ``.backward()``
-    is then the only way their gradients are taken in training), whose ``.grad`` exists
-    with the parameter's dtype and layout, and while torch.distributed is not initialised
-    (DistributedDataParallel learns that a gradient is ready from autograd's accumulation
-    of it) unless the parameter is marked ``NO_GRAD_HOOKS`` (ls-fairseq-train's optimizer
-    under ``--ddp-backend legacy_ddp``, whose one all-reduce runs after backward), the op's
-    backward accumulates into ``.grad`` and gives autograd None.
-    Otherwise the gradient goes back to autograd as usual, so ``torch.autograd.grad``
-    and other optimizers see nothing different.
-    """
-    grad = param.grad
-    if (
-        getattr(param, IN_WORKSPACE, False)
-        and grad is not None
-        and grad.dtype == param.dtype
-        and grad.shape == param.shape
-        and grad.is_contiguous()
-        and (getattr(param, NO_GRAD_HOOKS, False) or not (dist.is_available() and dist.is_initialized()))
-    ):
-        return grad
-    return None
-
-
-def for_autograd(grad, into):
-    """What a backward returns for a parameter: None when its gradient went into ``into``."""
-    return None if into is not None else grad
+    def pick(self, tensor):
+        """``kernel`` when the op runs its kernel on ``tensor`` (``use_kernel``), else ``reference``."""
+        return self.kernel if use_kernel(self.op, tensor) else self.reference
 
 
 def gradient(value, dtype, into=None):
@@ -172,8 +156,11 @@ def upcast(t):
 
 def dropout_mask(shape, p, device):
     """A keep-mask (uint8, 1 = keep) drawn from torch's generator, so ``--seed``
-    fixes it. Kernels draw theirs from the same generator's Philox state."""
-    return torch.empty(shape, dtype=torch.uint8, device=device).bernoulli_(1.0 - p)
+    fixes it: 1 where a uniform integer in [0, 2^31) is below (1 - p) 2^31 (one integer
+    an element: half the time of ``bernoulli_`` on CPU). Kernels draw theirs from the same
+    generator's Philox state."""
+    bits = torch.empty(shape, dtype=torch.int32, device=device).random_()
+    return torch.lt(bits, round((1.0 - p) * 2**31)).view(torch.uint8)
 
 
 def save_with_dropout(ctx, tensors, dropout):
@@ -202,4 +189,4 @@ def apply_dropout(x, mask, p):
     elements are already zero (relu's backward from its output)."""
     if mask is None:
         return x if p == 0 else x * (1.0 / (1.0 - p))
-    return x * mask.to(x.dtype) * (1.0 / (1.0 - p))
+    return (x * mask).mul_(1.0 / (1.0 - p))

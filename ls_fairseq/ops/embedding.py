@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from ls_fairseq.ops import dispatch
+from ls_fairseq.ops import dispatch, workspace
+from ls_fairseq.ops.dispatch import _C
 
 
 def make_positions(tokens, padding_idx):
@@ -49,10 +50,10 @@ def sinusoid_table(rows, dim, padding_idx, dtype, device):
 
 
 def embedding_forward_kernel(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask):
-    """The kernel, given fairseq's sinusoid table when positions are not learned."""
+    """The kernel ``_C.embedding_forward``, given fairseq's sinusoid table when positions are not learned."""
     if pos_weight is None:
         pos_weight = sinusoid_table(padding_idx + 1 + tokens.shape[-1], weight.shape[1], padding_idx, weight.dtype, weight.device)
-    return dispatch.extension().embedding_forward(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask)
+    return _C.embedding_forward(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask)
 
 
 def embedding_forward_reference(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask):
@@ -84,14 +85,17 @@ def embedding_backward_reference(dout, tokens, positions, mask, scale, padding_i
     return dispatch.gradient(dweight, dout.dtype, dweight_into), dpos
 
 
+EMBEDDING_ROUTE = dispatch.Route(
+    "embedding",
+    kernel=(embedding_forward_kernel, _C.embedding_backward) if _C else None,
+    reference=(embedding_forward_reference, embedding_backward_reference),
+)
+
+
 class EmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, positions, weight, pos_weight, scale, padding_idx, p, mask):
-        fwd, bwd = dispatch.implementation(
-            "embedding", weight, embedding_forward_reference, embedding_backward_reference
-        )
-        if fwd is not embedding_forward_reference:
-            fwd = embedding_forward_kernel
+        fwd, bwd = EMBEDDING_ROUTE.pick(weight)
         out, dropout = fwd(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask)
         ctx.bwd, ctx.weight, ctx.pos_weight = bwd, weight, pos_weight
         ctx.args = (scale, padding_idx, p, weight.shape[0], 0 if pos_weight is None else pos_weight.shape[0])
@@ -103,10 +107,11 @@ class EmbeddingFunction(torch.autograd.Function):
         if dout is None:
             return (None,) * 8
         (tokens, positions), dropout = dispatch.saved_with_dropout(ctx)
-        into = dispatch.grad_in_place(ctx.weight)
-        pos_into = None if ctx.pos_weight is None else dispatch.grad_in_place(ctx.pos_weight)
+        into = workspace.grad_in_place(ctx.weight)
+        pos_into = None if ctx.pos_weight is None else workspace.grad_in_place(ctx.pos_weight)
         dweight, dpos = ctx.bwd(dout.contiguous(), tokens, positions, dropout, *ctx.args, into, pos_into)
-        return None, None, dispatch.for_autograd(dweight, into), dispatch.for_autograd(dpos, pos_into), None, None, None, None
+        return (None, None, workspace.for_autograd(dweight, into), workspace.for_autograd(dpos, pos_into),
+                None, None, None, None)
 
 
 def embedding(tokens, positions, weight, pos_weight, scale, padding_idx, p=0.0, training=True, mask=None):
@@ -123,6 +128,11 @@ def embedding(tokens, positions, weight, pos_weight, scale, padding_idx, p=0.0, 
                 tokens.shape[1], pos_weight.shape[0]
             )
         )
+    if not tokens.is_cuda and tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < weight.shape[0]:
+        # on the host the check is cheap; GPU batches come from data that ls_fairseq.data_checks checked at load
+        bad = tokens[(tokens < 0) | (tokens >= weight.shape[0])]
+        raise ValueError("embedding: token id {} is outside the table of {} rows (the dictionary's size)".format(
+            int(bad[0]), weight.shape[0]))
     p = p if training else 0.0
     return EmbeddingFunction.apply(
         tokens.contiguous(), positions.contiguous(), weight, pos_weight, scale, padding_idx, p, mask if p > 0 else None

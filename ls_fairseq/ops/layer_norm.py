@@ -1,53 +1,58 @@
 """LayerNorm over the last dimension, one reduction pass (LightSeq2).
 
-Forward reduces sum(x - s) and sum((x - s)^2) together, with s = the row's
-first element as a shift: var = E[(x-s)^2] - E[x-s]^2 stays accurate when
-|mean| >> std (the cancellation guard), and the row is read once. eps is
+The kernel's forward reduces sum(x - s) and sum((x - s)^2) together, with s =
+the row's first element as a shift: var = E[(x-s)^2] - E[x-s]^2 stays accurate
+when |mean| >> std (the cancellation guard), and the row is read once. The
+reference is torch's fused LayerNorm on the fp32 (fp64) values. eps is
 fairseq's 1e-5. Statistics (mean, rstd) are fp32; backward needs x, gamma and
 them, nothing else.
 """
 import torch
 
-from ls_fairseq.ops import dispatch
+from ls_fairseq.ops import dispatch, workspace
+from ls_fairseq.ops.dispatch import _C
 
 
 def layer_norm_forward_reference(x, weight, bias, eps):
-    xf = dispatch.upcast(x)
-    shift = xf[..., :1]
-    d = xf - shift
-    m1 = d.mean(-1, keepdim=True)
-    m2 = (d * d).mean(-1, keepdim=True)
-    var = (m2 - m1 * m1).clamp_min(0.0)
-    mean = m1 + shift
-    rstd = torch.rsqrt(var + eps)
-    y = (xf - mean) * rstd * dispatch.upcast(weight) + dispatch.upcast(bias)
-    return y.to(x.dtype), mean.squeeze(-1), rstd.squeeze(-1)
+    # torch's fused LayerNorm on the math dtype's values, each row shifted by its first element first:
+    # LayerNorm does not change under a shift, and torch's CPU statistics lose about three digits of
+    # rstd in fp32 when a row's mean is 1e5 times its spread; the shifted row's mean is near zero
+    stat = x.shape[:-1]
+    xm = dispatch.upcast(x)
+    shift = xm[..., :1]
+    y, mean, rstd = torch.native_layer_norm(xm - shift, (x.shape[-1],), dispatch.upcast(weight),
+                                            dispatch.upcast(bias), eps)
+    mean = mean + shift
+    return y.to(x.dtype), mean.reshape(stat), rstd.reshape(stat)
 
 
 def layer_norm_backward_reference(dy, x, weight, mean, rstd, dweight_into=None, dbias_into=None):
     # xhat = (x - mean) * rstd, g = dy * gamma
-    # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))   (both means in one pass)
-    # dgamma = sum_tokens dy * xhat, dbeta = sum_tokens dy
-    H = x.shape[-1]
-    dyf = dispatch.upcast(dy).reshape(-1, H)
-    xhat = (dispatch.upcast(x).reshape(-1, H) - mean.reshape(-1, 1)) * rstd.reshape(-1, 1)
-    g = dyf * dispatch.upcast(weight)
-    dx = rstd.reshape(-1, 1) * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-    dweight = (dyf * xhat).sum(0)
-    dbias = dyf.sum(0)
+    # dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+    # dgamma = sum_tokens dy * xhat, dbeta = sum_tokens dy   (torch's fused LayerNorm backward)
+    stat = x.shape[:-1] + (1,)
+    w = dispatch.upcast(weight)
+    dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
+        dispatch.upcast(dy), dispatch.upcast(x), (x.shape[-1],), mean.reshape(stat), rstd.reshape(stat), w, w,
+        [True, True, True])
     return (
-        dx.reshape(x.shape).to(x.dtype),
+        dx.to(x.dtype),
         dispatch.gradient(dweight, weight.dtype, dweight_into),
         dispatch.gradient(dbias, weight.dtype, dbias_into),
     )
 
 
+LAYER_NORM_ROUTE = dispatch.Route(
+    "layer_norm",
+    kernel=(_C.layer_norm_forward, _C.layer_norm_backward) if _C else None,
+    reference=(layer_norm_forward_reference, layer_norm_backward_reference),
+)
+
+
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, residual_grad):
-        fwd, bwd = dispatch.implementation(
-            "layer_norm", x, layer_norm_forward_reference, layer_norm_backward_reference
-        )
+        fwd, bwd = LAYER_NORM_ROUTE.pick(x)
         x = x.contiguous()
         y, mean, rstd = fwd(x, weight, bias, eps)
         ctx.bwd, ctx.bias, ctx.residual_grad = bwd, bias, residual_grad
@@ -59,12 +64,12 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
-        into = dispatch.grad_in_place(weight), dispatch.grad_in_place(ctx.bias)
+        into = workspace.grad_in_place(weight), workspace.grad_in_place(ctx.bias)
         dx, dweight, dbias = ctx.bwd(dy.contiguous(), x, weight, mean, rstd, *into)
         dres = ctx.residual_grad.take() if ctx.residual_grad is not None else None
         if dres is not None:
             dx = dx.add_(dres)  # dx is this backward's own new tensor
-        return dx, dispatch.for_autograd(dweight, into[0]), dispatch.for_autograd(dbias, into[1]), None, None
+        return dx, workspace.for_autograd(dweight, into[0]), workspace.for_autograd(dbias, into[1]), None, None
 
 
 def layer_norm(x, weight, bias, eps=1e-5, residual_grad=None):

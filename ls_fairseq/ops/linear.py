@@ -1,5 +1,5 @@
 """A bias-free linear layer, y = x W^T, whose backward writes the weight gradient
-straight into ``weight.grad`` when ls_adam holds the weight (dispatch.grad_in_place):
+straight into ``weight.grad`` when ls_adam holds the weight (ops.workspace):
 the GEMM accumulates in place (``addmm_``, cuBLAS beta = 1) and autograd gets no
 gradient for the weight. The bias is not here: the fused op after the GEMM (qkv,
 bias_act_dropout, bias_dropout_residual) adds it. Same math on CPU and GPU.
@@ -10,7 +10,7 @@ bias_act_dropout, bias_dropout_residual) adds it. Same math on CPU and GPU.
 import torch
 import torch.nn.functional as F
 
-from ls_fairseq.ops import dispatch
+from ls_fairseq.ops import workspace
 from ls_fairseq.ops.qkv import merge_heads
 
 
@@ -47,7 +47,7 @@ class LinearFunction(torch.autograd.Function):
             return dx, None, None, None
         x2 = (merge_heads(x) if ctx.heads else x).reshape(-1, weight.shape[1])
         dy2 = dy.reshape(-1, dy.shape[-1])
-        into = dispatch.grad_in_place(weight)
+        into = workspace.grad_in_place(weight)
         if into is not None:
             into.addmm_(dy2.t(), x2)
             return dx, None, None, None

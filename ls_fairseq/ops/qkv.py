@@ -15,7 +15,8 @@ only the unmerged output).
 """
 import torch
 
-from ls_fairseq.ops import dispatch
+from ls_fairseq.ops import dispatch, workspace
+from ls_fairseq.ops.dispatch import _C
 
 
 def qkv_forward_reference(x, bias, num_heads, num_parts, first_scale, token_major=False):
@@ -41,6 +42,13 @@ def qkv_backward_reference(dys, first_scale, dbias_into=None):
     return dispatch.with_bias_gradient(dx, like.dtype, dbias_into)
 
 
+QKV_ROUTE = dispatch.Route(
+    "qkv",
+    kernel=(_C.qkv_forward, _C.qkv_backward) if _C else None,
+    reference=(qkv_forward_reference, qkv_backward_reference),
+)
+
+
 class QKVFunction(torch.autograd.Function):
     """Returns the parts as separate outputs (views of one [parts, B, heads, T, d_head] buffer), so that
     backward receives each part's gradient as autograd made it: unbinding outside would have autograd
@@ -48,7 +56,7 @@ class QKVFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, num_heads, num_parts, first_scale, token_major):
-        fwd, bwd = dispatch.implementation("qkv", x, qkv_forward_reference, qkv_backward_reference)
+        fwd, bwd = QKV_ROUTE.pick(x)
         ctx.bwd, ctx.first_scale, ctx.bias = bwd, first_scale, bias
         ctx.set_materialize_grads(False)  # a part without gradient arrives as None, not as zeros
         return fwd(x.contiguous(), bias, num_heads, num_parts, first_scale, token_major).unbind(0)
@@ -57,11 +65,11 @@ class QKVFunction(torch.autograd.Function):
     def backward(ctx, *dys):
         if all(g is None for g in dys):
             return None, None, None, None, None, None
-        into = dispatch.grad_in_place(ctx.bias)
+        into = workspace.grad_in_place(ctx.bias)
         # any layout of the parts' (B, heads, T) (attention backwards give views); rows of d_head contiguous
         dys = [g if g is None or g.stride(-1) == 1 else g.contiguous() for g in dys]
         dx, dbias = ctx.bwd(dys, ctx.first_scale, into)
-        return dx, dispatch.for_autograd(dbias, into), None, None, None, None
+        return dx, workspace.for_autograd(dbias, into), None, None, None, None
 
 
 def split_heads(x, bias, num_heads, num_parts, first_scale=1.0, token_major=False):

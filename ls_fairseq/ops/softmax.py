@@ -9,14 +9,15 @@ log-sum-exp [B, heads, Tq] in fp32, the kernel's keep-mask never (its backward
 draws the keep-bits again). The backward takes the scores and the log-sum-exp and
 computes the probabilities again in fp32, as stock fairseq's softmax keeps them for
 its backward: the 16-bit probabilities' rounding, in the row term sum_j dp_j P_j,
-gave the cross-attention's query gradients 1.2x stock's error against fp64
-(csrc/softmax.cu's header). With dropout, the kernel scales a kept probability
+gave the cross-attention's query gradients a larger error against fp64 than
+stock's (csrc/softmax.cu's header). With dropout, the kernel scales a kept probability
 in fp32 and rounds it once; this reference, as stock fairseq, rounds the
 probabilities to the scores' dtype first (the two an ulp apart at most).
 """
 import torch
 
 from ls_fairseq.ops import dispatch
+from ls_fairseq.ops.dispatch import _C
 
 
 def _masked_scores(scores, key_padding_mask, causal):
@@ -55,10 +56,17 @@ def softmax_backward_reference(dout, scores, lse, key_padding_mask, causal, mask
     return ds.to(dout.dtype)
 
 
+SOFTMAX_ROUTE = dispatch.Route(
+    "softmax",
+    kernel=(_C.softmax_forward, _C.softmax_backward) if _C else None,
+    reference=(softmax_forward_reference, softmax_backward_reference),
+)
+
+
 class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, key_padding_mask, causal, p, mask):
-        fwd, bwd = dispatch.implementation("softmax", scores, softmax_forward_reference, softmax_backward_reference)
+        fwd, bwd = SOFTMAX_ROUTE.pick(scores)
         scores = scores.contiguous()
         out, lse, dropout = fwd(scores, key_padding_mask, causal, p, mask)
         ctx.bwd, ctx.causal, ctx.p = bwd, causal, p

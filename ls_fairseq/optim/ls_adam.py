@@ -25,7 +25,7 @@ from fairseq.optim import FairseqOptimizer, register_optimizer
 from omegaconf import II, OmegaConf
 
 from ls_fairseq import ops
-from ls_fairseq.ops.dispatch import IN_WORKSPACE
+from ls_fairseq.ops.workspace import accumulate_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +83,6 @@ class Workspace:
                 if p.grad is not None:
                     self.grad[off : off + p.numel()].view_as(p).copy_(p.grad)
         self.attach_grads()
-        for p in params:
-            setattr(p, IN_WORKSPACE, True)  # the ops may accumulate into its gradient in place
 
     def attach_grads(self):
         for p, off in zip(self.params, self.offsets):
@@ -180,14 +178,23 @@ class WorkspaceAdam(torch.optim.Optimizer):
 
 @register_optimizer("ls_adam", dataclass=LSAdamConfig)
 class LSAdam(FairseqOptimizer):
-    """fairseq's adam (decoupled weight decay) over one contiguous workspace."""
+    """fairseq's adam (decoupled weight decay) over one contiguous workspace.
 
-    def __init__(self, cfg: LSAdamConfig, params, fp32_master=None):
+    The ops' backwards add the gradients into the workspace in place (ops.workspace) unless
+    ``grad_hooks``: autograd hooks watch them. None: whenever torch.distributed is initialised,
+    as fairseq's trainer then wraps the model in torch's DistributedDataParallel, which learns
+    that a gradient is ready from autograd's accumulation of it."""
+
+    def __init__(self, cfg: LSAdamConfig, params, fp32_master=None, grad_hooks=None):
         super().__init__(cfg)
         fp32_master = cfg.ls_fp32_master if fp32_master is None else fp32_master
         self._optimizer = WorkspaceAdam(
             params, fp32_master=fp32_master, stochastic_rounding=not cfg.ls_round_to_nearest, **self.optimizer_config
         )
+        if grad_hooks is None:
+            grad_hooks = dist.is_available() and dist.is_initialized()
+        if not grad_hooks:
+            accumulate_in_place(self.workspace.params)
 
     @property
     def optimizer_config(self):

@@ -24,6 +24,13 @@ Differences from fairseq's wrappers, all for the sake of no host sync:
   still advance (they live on the host); the ``skipped`` column counts them.
   In bf16 and fp32, where fairseq raises FloatingPointError, it is skipped too;
 - ``--min-loss-scale`` is checked whenever the trainer logs, not every step;
+- in bf16 and fp32 (no loss scale), a run of ``MAX_NONFINITE_RUN`` consecutive
+  updates with non-finite gradients stops training, also checked when the
+  trainer logs (the device keeps the longest run since the last check). Both
+  stops raise FloatingPointError inside the optimizer step, where fairseq's
+  trainer saves ``crash.pt`` (the parameters and moments of the last finite
+  step: skipped steps change neither) and reruns the step to name the module
+  where a NaN first appears;
 - ``--fp16-scale-tolerance`` is not supported (it must stay 0, fairseq's default).
 """
 import torch
@@ -31,8 +38,10 @@ from fairseq.optim import FairseqOptimizer
 
 from ls_fairseq import ops
 from ls_fairseq.ops.adam import GRAD_NORM, GRAD_SCALE, GOOD_STEPS, LOSS_SCALE, OVERFLOW, STEP
-from ls_fairseq.ops.dispatch import NO_GRAD_HOOKS
 from ls_fairseq.optim.ls_adam import LSAdam
+
+# bf16/fp32: this many consecutive updates with inf/NaN gradients (all skipped) end the run
+MAX_NONFINITE_RUN = 10
 
 # fairseq's names for its legacy data-parallel wrapper: no autograd hooks, the optimizer's all-reduce after backward
 LEGACY_DDP_BACKENDS = ("legacy_ddp", "no_c10d")
@@ -77,6 +86,8 @@ class DeviceStepAdam(FairseqOptimizer):
             )
         self.factor = 1.0
         self.reduced = False
+        self.nonfinite_run = torch.zeros(2, device=device)  # [the current run, the longest since the last check]
+        self.check_at_step = False  # set by the trainer on the updates it logs at
 
     @classmethod
     def build_optimizer(cls, cfg, params):
@@ -84,12 +95,11 @@ class DeviceStepAdam(FairseqOptimizer):
         common = cfg.common
         memory_efficient = common.memory_efficient_fp16 or common.memory_efficient_bf16
         fp32_master = cfg.optimizer.ls_fp32_master or ((common.fp16 or common.bf16) and not memory_efficient)
-        adam = LSAdam(cfg.optimizer, params, fp32_master=fp32_master)
-        if cfg.distributed_training.ddp_backend in LEGACY_DDP_BACKENDS:
-            # fairseq's legacy wrapper watches no gradient: the ops may accumulate in place also
-            # under data-parallel training (torch's DistributedDataParallel needs autograd's own)
-            for p in params:
-                setattr(p, NO_GRAD_HOOKS, True)
+        # fairseq's legacy wrapper watches no gradient (ls_adam all-reduces its workspace after backward): the
+        # ops may accumulate in place also under data-parallel training (torch's DistributedDataParallel needs
+        # autograd's own accumulation, which LSAdam leaves it whenever torch.distributed is initialised)
+        legacy = cfg.distributed_training.ddp_backend in LEGACY_DDP_BACKENDS
+        adam = LSAdam(cfg.optimizer, params, fp32_master=fp32_master, grad_hooks=False if legacy else None)
         if not common.fp16:
             return cls(cfg.optimizer, adam)
         if common.fp16_scale_tolerance:
@@ -150,6 +160,26 @@ class DeviceStepAdam(FairseqOptimizer):
         self._optimizer.step(closure, device_decision=(slot(GRAD_SCALE), slot(STEP), slot(OVERFLOW)))
         self.factor = 1.0
         self.reduced = False
+        if self.scaler is None:
+            run, overflow = self.nonfinite_run[:1], slot(OVERFLOW)
+            torch.addcmul(overflow, run, overflow, out=run)  # (run + 1) * overflow: 0 after a finite update
+            torch.maximum(self.nonfinite_run[1:], run, out=self.nonfinite_run[1:])
+        if self.check_at_step:
+            self.check()
+
+    def check(self):
+        """Stop a diverged run (reads the device: the trainer has it called when it logs): fp16 at
+        ``--min-loss-scale``, bf16/fp32 after ``MAX_NONFINITE_RUN`` consecutive non-finite updates."""
+        if self.scaler is not None:
+            return self.scaler.check()
+        longest = int(self.nonfinite_run[1].item())
+        self.nonfinite_run[1] = self.nonfinite_run[0]
+        if longest >= MAX_NONFINITE_RUN:
+            raise FloatingPointError(
+                "{} consecutive updates had inf/NaN gradients (the limit is {}); each was skipped, so the parameters "
+                "are those of the last finite update. Your loss is probably exploding: try a lower learning rate, "
+                "gradient clipping or checking the data.".format(longest, MAX_NONFINITE_RUN)
+            )
 
     def zero_grad(self):
         self.adam.zero_grad()

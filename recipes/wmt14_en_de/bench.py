@@ -7,9 +7,8 @@ is reported: a per-shape cost shows there), those from --steady-from-epoch give
 the steady state (mean wps of their log intervals), and a few steps of the last
 are profiled (bench_hooks: kernel launches, GPU time, host synchronisations and
 optimizer time per step, host and kernel tables). The steady state ends where
-the profiler starts: the steps after a profile run slower too (run 17: stock
-fairseq 117k wps before it, 96k after; ls_fairseq with graphs 241k and 247k, not
-slower), so the last epoch counts only up to it. Intervals in which a CUDA graph
+the profiler starts: the steps after a profile run slower too (stock fairseq's;
+docs/perf-log.md), so the last epoch counts only up to it. Intervals in which a CUDA graph
 was captured (graphed systems) are left out as well.
 Per point also: ups, the wall time of a step, peak GPU memory over the run,
 MFU, and the speed-up over stock fairseq --fp16 (its fastest setting). Writes
@@ -129,8 +128,8 @@ def distributed_options(gpus, with_ls):
     several GPUs, --grouped-shuffling (each update's batches are neighbours in fairseq's length-sorted
     batch list, so every rank's step takes about as long and none waits for a longer batch at the
     all-reduce) with --update-epoch-batch-itr False (fairseq ties it to --grouped-shuffling: it would
-    build a new batch iterator every epoch, whose new data loader's workers replace the old ones:
-    15-20 s at each epoch's start on two GPUs in run 16), and for the plugin legacy_ddp (one
+    build a new batch iterator every epoch, whose new data loader's workers replace the old ones,
+    a wait of many seconds at each epoch's start), and for the plugin legacy_ddp (one
     all-reduce over ls_adam's gradient workspace)."""
     options = ["--distributed-world-size", str(gpus)]
     if gpus > 1:
@@ -276,8 +275,8 @@ def main():
                         help="steady state: the log intervals from this epoch on (those that captured a CUDA graph "
                         "left out). The graphed systems capture a shape at its first batch; fairseq repeats an "
                         "epoch's batches (shuffled), so on one GPU every step of epoch 2 replays (the synthetic data "
-                        "at 8,192 tokens: 107 batches an epoch, 66 shapes): use 3. On N GPUs --grouped-shuffling "
-                        "gives each rank the same batches every epoch, so the same holds (runs 17-18 at two GPUs)")
+                        "at 8,192 tokens: 107 batches per epoch, 66 shapes): use 3. On N GPUs --grouped-shuffling "
+                        "gives each rank the same batches every epoch, so the same holds")
     parser.add_argument("--pairs", type=int, default=24000)
     parser.add_argument("--gpus", default="1", help="GPU counts, e.g. 1,2 (data-parallel, --max-tokens per GPU)")
     args = parser.parse_args()
