@@ -10,14 +10,13 @@ query rows at once may round differently from one of a single row.
 """
 import torch
 
-from ls_fairseq.ops import dispatch
-from ls_fairseq.ops.attention import attention
+from ls_fairseq.ops.attention import ATTENTION_ROUTE, attention, attention_reference
 
 
 def beam_attention(q, k, v, mask=None):
     if q.dim() != 4 or k.shape[0] != q.shape[0]:
         raise ValueError("beam_attention: q {} must be [sentences, heads, beams, d_head] with k {} of as many "
                          "sentences".format(tuple(q.shape), tuple(k.shape)))
-    if dispatch.use_kernel("attention", q):
+    if ATTENTION_ROUTE.pick(q) is not attention_reference:
         return attention(q, k, v, mask, 0.0, False, exact_row_term=True)
     return torch.cat([attention(q[:, :, j : j + 1], k, v, mask, 0.0, False) for j in range(q.shape[2])], dim=2)

@@ -6,7 +6,8 @@ row, largest first; equal values in index order, lowest index first (torch.topk'
 unspecified order among ties made one order). For a beam search a row is one sentence's
 beams x vocabulary cumulative scores.
 
-The algorithm, which a kernel runs in one pass over each row and the reference in torch ops:
+The algorithm, which the kernel (csrc/beam_select.cu, one block a row) and the reference (torch
+ops) both run:
 1. the row is cut into ``groups`` (at least k) runs of consecutive entries, and the maximum of
    each is taken;
 2. the k-th largest of these maxima is a threshold at or below the row's k-th largest entry
@@ -20,6 +21,9 @@ ordinary value (below every finite one); NaN is not allowed (beam search turns i
 first). Shapes depend on R, M and k only; nothing is read back to the host.
 """
 import torch
+
+from ls_fairseq.ops import dispatch
+from ls_fairseq.ops.dispatch import _C
 
 _LOW_BITS = (1 << 32) - 1
 _MIN_KEY = torch.iinfo(torch.int64).min
@@ -53,6 +57,13 @@ def beam_select_reference(scores, k, groups=DEFAULT_GROUPS):
     return scores.gather(1, indices), indices
 
 
+BEAM_SELECT_ROUTE = dispatch.Route(
+    "beam_select",
+    kernel=_C.beam_select if _C else None,
+    reference=beam_select_reference,
+)
+
+
 def beam_select(scores, k, groups=DEFAULT_GROUPS):
     """The k largest entries of each row of ``scores`` [R, M] (fp32, fp16 or bf16), largest first,
     ties in index order: (values [R, k] in scores' dtype, indices [R, k] int64). ``groups``: how many
@@ -62,6 +73,9 @@ def beam_select(scores, k, groups=DEFAULT_GROUPS):
             tuple(scores.shape), k))
     if scores.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError("beam_select: scores are {}; fp32, fp16 or bf16 expected".format(scores.dtype))
-    if scores.shape[1] > 1 << 31:
-        raise ValueError("beam_select: rows of {} entries; at most 2^31".format(scores.shape[1]))
-    return beam_select_reference(scores, k, groups)
+    if scores.shape[1] >= 1 << 32:
+        raise ValueError("beam_select: rows of {} entries; fewer than 2^32".format(scores.shape[1]))
+    select = BEAM_SELECT_ROUTE.pick(scores)
+    if select is not beam_select_reference and max(min(groups, scores.shape[1]), k) > _C.beam_select_max_groups:
+        select = beam_select_reference  # the kernel keeps the runs' maxima in shared memory
+    return select(scores.contiguous(), k, groups)
