@@ -8,22 +8,27 @@ fairseq transformer (ls_fairseq.convert) and translates the test set with
   fairseq-on-ls  fairseq's SequenceGenerator on the ls model (fairseq-generate on an ls model
                  without this generator),
 each in fp16 on a GPU (ls in bf16 too; stock fairseq-generate has no bf16 on GPUs) and fp32 on
-the CPU. Every system is timed the same way: batches as fairseq-generate makes them (the task's
+the CPU (fairseq-on-ls with --fairseq-on-ls only). Every system is timed the same way: batches as fairseq-generate makes them (the task's
 length-sorted batches of --batch-size sentences), from the first batch to the last hypothesis,
 the GPU synchronised at both ends, after an untimed pass over the first batches (CUDA's and
 cuBLAS's one-time set-up); target tokens counted as fairseq-generate counts them (the best
 hypothesis's, EOS included). Per point also BLEU (sacrebleu, detokenized) and the peak GPU memory.
-Writes results.json, results.md (the table, printed last) and speedup.png into --out.
+Writes the logs of data preparation and training, results.json (after every point, so an
+interrupted run keeps what it measured), results.md (the table, printed last) and speedup.png into
+--out (default $OUT, else a new folder under /tmp). Points are measured in the order given; once
+--budget seconds have passed since the start, the remaining ones are listed as skipped.
 
-  python scripts/bench_generate.py --out DIR                # GPU: base and big, the issue's points
-  python scripts/bench_generate.py --out DIR --smoke        # anywhere: a tiny model, small points
-  python scripts/bench_generate.py --out DIR --data-bin D --checkpoint ARCH=CKPT  # no prepare, no training
+  python scripts/bench_generate.py                # GPU: base and big, the issue's points (one H200: ~6 min)
+  python scripts/bench_generate.py --smoke --cpu  # anywhere: a tiny model, small points
+  python scripts/bench_generate.py --data-bin D --checkpoint ARCH=CKPT  # no prepare, no training
 """
 import argparse
+import copy
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,23 +36,35 @@ sys.path.insert(0, REPO)
 
 ARCHS = {"base": "ls_transformer_wmt_en_de", "big": "ls_transformer_vaswani_wmt_en_de_big",
          "tiny": "ls_transformer_tiny"}
-# (beam, batch size, sentences)
-POINTS = [(4, 1, 200), (4, 32, 1000), (4, 128, 1000), (1, 128, 1000), (5, 128, 1000)]
+# (beam, batch size, sentences), in the order they are measured: the targets' points first
+POINTS = [(4, 128, 1000), (4, 1, 200), (4, 32, 1000), (1, 128, 1000), (5, 128, 1000)]
 SMOKE_POINTS = [(4, 8, 24), (1, 8, 24)]
+START = time.perf_counter()
 TRAIN = [
     "--share-all-embeddings", "--criterion", "ls_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
     "--optimizer", "ls_adam", "--adam-betas", "(0.9,0.98)", "--lr", "1e-3", "--lr-scheduler", "inverse_sqrt",
-    "--warmup-updates", "400", "--clip-norm", "1.0", "--dropout", "0.1", "--disable-validation", "--no-epoch-checkpoints",
+    "--warmup-updates", "300", "--clip-norm", "1.0", "--dropout", "0.1", "--disable-validation", "--no-epoch-checkpoints",
     "--log-format", "simple", "--log-interval", "100", "--seed", "1", "--num-workers", "0",
 ]
 LENPEN = 0.6
 
 
+def logged(cmd, log_path):
+    """Run ``cmd`` with its output in ``log_path``; on failure, the log's end on stderr and the error."""
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        with open(log_path) as log:
+            sys.stderr.write(log.read()[-3000:])
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+
+
 def prepare(out, vocab):
     work = os.path.join(out, "data-{}".format(vocab))
-    subprocess.run(["bash", os.path.join(REPO, "recipes", "wmt14_en_de", "prepare.sh"), "--from",
-                    os.path.join(REPO, "data", "lohelp"), "--work", work, "--vocab-size", str(vocab), "--ratio", "2.5"],
-                   check=True)
+    if not os.path.isdir(os.path.join(work, "data-bin")):
+        logged(["bash", os.path.join(REPO, "recipes", "wmt14_en_de", "prepare.sh"), "--from",
+                os.path.join(REPO, "data", "lohelp"), "--work", work, "--vocab-size", str(vocab), "--ratio", "2.5"],
+               os.path.join(out, "prepare.log"))
     return os.path.join(work, "data-bin")
 
 
@@ -58,8 +75,7 @@ def train(out, data_bin, arch, updates, cuda):
         device = ["--fp16", "--max-tokens", "8192"] if cuda else ["--cpu", "--max-tokens", "2048"]
         cmd = [sys.executable, "-m", "fairseq_cli.train", data_bin, "--user-dir", os.path.join(REPO, "ls_fairseq"),
                "--arch", ARCHS[arch], "--max-update", str(updates), "--save-dir", save] + TRAIN + device
-        with open(os.path.join(out, "train-{}.log".format(arch)), "w") as log:
-            subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+        logged(cmd, os.path.join(out, "train-{}.log".format(arch)))
     return path
 
 
@@ -127,16 +143,17 @@ def time_system(generator, model, task, samples, device):
     return seconds, len(hyps), tokens, sacrebleu.corpus_bleu(hyps, [refs]).score, peak
 
 
-def systems(cuda):
-    """(name, which model: 'stock' or 'ls', generator: 'ls' or 'fairseq', dtype name)"""
+def systems(cuda, fairseq_on_ls):
+    """(name, which model: 'stock' or 'ls', generator: 'ls' or 'fairseq', dtype name), stock first"""
     if not cuda:
-        return [("stock-fp32", "stock", "fairseq", "float32"), ("ls-fp32", "ls", "ls", "float32"),
-                ("fairseq-on-ls-fp32", "ls", "fairseq", "float32")]
-    return [("stock-fp16", "stock", "fairseq", "float16"), ("ls-fp16", "ls", "ls", "float16"),
-            ("ls-bf16", "ls", "ls", "bfloat16"), ("fairseq-on-ls-fp16", "ls", "fairseq", "float16")]
+        found = [("stock-fp32", "stock", "fairseq", "float32"), ("ls-fp32", "ls", "ls", "float32")]
+        return found + ([("fairseq-on-ls-fp32", "ls", "fairseq", "float32")] if fairseq_on_ls else [])
+    found = [("stock-fp16", "stock", "fairseq", "float16"), ("ls-fp16", "ls", "ls", "float16"),
+             ("ls-bf16", "ls", "ls", "bfloat16")]
+    return found + ([("fairseq-on-ls-fp16", "ls", "fairseq", "float16")] if fairseq_on_ls else [])
 
 
-def bench_arch(arch, ls_path, data_bin, points, cuda):
+def bench_arch(arch, ls_path, data_bin, points, cuda, fairseq_on_ls, budget, rows, out):
     import torch
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
@@ -149,10 +166,20 @@ def bench_arch(arch, ls_path, data_bin, points, cuda):
               for name, p in paths.items()}
     task = loaded["ls"][2]
     task.load_dataset("test")
-    rows = []
-    for name, which, gen, dtype in systems(cuda):
-        model = loaded[which][0][0].to(device=device, dtype=getattr(torch, dtype)).eval()
-        for beam, batch_size, sentences in points:
+    names = systems(cuda, fairseq_on_ls)
+    # each system its own copy of the fp32 weights in its dtype (converting one model from dtype to dtype
+    # would round fp16 weights through bf16)
+    models = {name: copy.deepcopy(loaded[which][0][0]).to(device=device, dtype=getattr(torch, dtype)).eval()
+              for name, which, _, dtype in names}
+    found = []
+    for beam, batch_size, sentences in points:  # every system at a point before the next point
+        if time.perf_counter() - START > budget:
+            print("bench_generate: {} beam {} batch {} skipped (--budget {} s passed)".format(
+                arch, beam, batch_size, budget), file=sys.stderr)
+            found.append(dict(arch=arch, system="skipped", beam=beam, batch=batch_size))
+            continue
+        for name, _, gen, _ in names:
+            model = models[name]
             cls = LSSequenceGenerator if gen == "ls" else SequenceGenerator
             generator = cls([model], task.target_dictionary, beam_size=beam, len_penalty=LENPEN)
             seconds, n, tokens, score, peak = time_system(generator, model, task,
@@ -160,20 +187,23 @@ def bench_arch(arch, ls_path, data_bin, points, cuda):
             row = dict(arch=arch, system=name, beam=beam, batch=batch_size, sentences=n, seconds=round(seconds, 3),
                        sentences_per_s=round(n / seconds, 2), tokens_per_s=round(tokens / seconds, 1),
                        bleu=round(score, 2), peak_mib=round(peak, 1))
+            if name == names[0][0]:
+                stock_rate = row["tokens_per_s"]
+            row["speedup"] = round(row["tokens_per_s"] / stock_rate, 2)
             print(json.dumps(row), flush=True)
-            rows.append(row)
-        model.cpu()
-    stock_name = systems(cuda)[0][0]
-    base = {(r["beam"], r["batch"]): r["tokens_per_s"] for r in rows if r["system"] == stock_name}
-    for r in rows:
-        r["speedup"] = round(r["tokens_per_s"] / base[(r["beam"], r["batch"])], 2)
-    return rows
+            found.append(row)
+            with open(os.path.join(out, "results.json"), "w") as f:
+                json.dump(rows + found, f, indent=1)
+    return found
 
 
 def table(rows):
     lines = ["| arch | beam | batch | sentences | system | sentences/s | target tokens/s | over stock | BLEU | peak MiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        if r["system"] == "skipped":
+            lines.append("| {arch} | {beam} | {batch} | - | skipped (--budget) | - | - | - | - | - |".format(**r))
+            continue
         lines.append("| {arch} | {beam} | {batch} | {sentences} | {system} | {sentences_per_s} | {tokens_per_s} | "
                      "{speedup}x | {bleu} | {peak_mib} |".format(**r))
     return "\n".join(lines)
@@ -190,6 +220,7 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r["system"] != "skipped"]
     names = sorted({r["system"] for r in rows})
     points = sorted({(r["arch"], r["beam"], r["batch"]) for r in rows})
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(points)), 4))
@@ -205,11 +236,29 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def parse_points(text):
+    """'4:128:1000,4:1:200' -> [(4, 128, 1000), (4, 1, 200)] (beam:batch:sentences)."""
+    try:
+        points = [tuple(int(v) for v in p.split(":")) for p in text.split(",") if p]
+    except ValueError:
+        points = []
+    if not points or any(len(p) != 3 or min(p) < 1 for p in points):
+        raise argparse.ArgumentTypeError("--points: BEAM:BATCH:SENTENCES[,...] of positive integers, got {!r}".format(text))
+    return points
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="folder for the data, checkpoints and results")
+    parser.add_argument("--out", default=os.environ.get("OUT"),
+                        help="folder for the logs, data, checkpoints and results (default $OUT, else a new /tmp folder)")
     parser.add_argument("--archs", default="base,big", help="comma-separated: base, big, tiny")
-    parser.add_argument("--max-update", type=int, default=2600, help="training updates per architecture")
+    parser.add_argument("--max-update", type=int, default=800, help="training updates per architecture")
+    parser.add_argument("--points", type=parse_points, help="BEAM:BATCH:SENTENCES,... in the order measured "
+                        "(default {})".format(",".join("{}:{}:{}".format(*p) for p in POINTS)))
+    parser.add_argument("--budget", type=float, default=450,
+                        help="seconds from the start after which the remaining points are skipped")
+    parser.add_argument("--fairseq-on-ls", action="store_true",
+                        help="also time fairseq's generator on the ls model")
     parser.add_argument("--vocab-size", type=int, default=8000, help="SentencePiece vocabulary of the data")
     parser.add_argument("--data-bin", help="a prepared data-bin of the embedded corpus (skips prepare.sh)")
     parser.add_argument("--checkpoint", action="append", default=[],
@@ -223,17 +272,17 @@ def main(argv=None):
     import ls_fairseq  # noqa: F401 (the plugin: model, checkpoint types)
 
     cuda = torch.cuda.is_available() and not args.cpu
+    args.out = args.out or tempfile.mkdtemp(prefix="bench_generate.")
     os.makedirs(args.out, exist_ok=True)
+    print("bench_generate: logs and results in {}".format(args.out), flush=True)
     archs = ["tiny"] if args.smoke else args.archs.split(",")
     given = dict(c.split("=", 1) for c in args.checkpoint)
     data_bin = args.data_bin or prepare(args.out, 1000 if args.smoke else args.vocab_size)
-    points = SMOKE_POINTS if args.smoke else POINTS
+    points = args.points or (SMOKE_POINTS if args.smoke else POINTS)
     rows = []
     for arch in archs:
         path = given.get(arch) or train(args.out, data_bin, arch, 50 if args.smoke else args.max_update, cuda)
-        rows += bench_arch(arch, path, data_bin, points, cuda)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        rows += bench_arch(arch, path, data_bin, points, cuda, args.fairseq_on_ls, args.budget, rows, args.out)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table(rows) + "\n")
     plot(rows, os.path.join(args.out, "speedup.png"))

@@ -14,7 +14,7 @@ from fairseq.sequence_generator import SequenceGenerator
 
 import ls_fairseq  # noqa: F401 (the plugin: registrations, the generator hook)
 from ls_fairseq.generation import LSSequenceGenerator, sequence_generator, unsupported
-from ls_fairseq.ops.beam_select import beam_select, group_threshold, order_keys
+from ls_fairseq.ops.beam_select import BEAM_SELECT_ROUTE, beam_select, beam_select_reference, group_threshold, order_keys
 
 TRAIN = [
     "--arch", "ls_transformer_tiny", "--share-all-embeddings", "--dropout", "0.1",
@@ -39,14 +39,23 @@ def trained(data_bin, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def loaded(trained):
-    """(model, task, the test set's batches) of the trained checkpoint, in fp32 on the CPU."""
+    """(model, task, the test set's 200 sentences as one batch) of the trained checkpoint, in fp32 on
+    the CPU (one batch: the fewest decoding steps for both generators)."""
     models, _, task = checkpoint_utils.load_model_ensemble_and_task([str(trained)])
     model = models[0].eval()
     task.load_dataset("test")
-    itr = task.get_batch_iterator(dataset=task.dataset("test"), max_sentences=100, max_positions=model.max_positions())
+    itr = task.get_batch_iterator(dataset=task.dataset("test"), max_sentences=200, max_positions=model.max_positions())
     batches = list(itr.next_epoch_itr(shuffle=False))
-    assert sum(len(b["id"]) for b in batches) >= 200
+    assert len(batches) == 1 and len(batches[0]["id"]) >= 200
     return model, task, batches
+
+
+@pytest.fixture(scope="session")
+def few(loaded):
+    """(model, task, [a batch of the test set's first 40 sentences]) for the checks that need no 200."""
+    model, task, _ = loaded
+    dataset = task.dataset("test")
+    return model, task, [dataset.collater([dataset[i] for i in range(40)])]
 
 
 class FixedNGramBlock(NGramRepeatBlock):
@@ -117,17 +126,17 @@ def assert_same_nbest(ref, out):
 CAPPED = dict(max_len_a=1.2, max_len_b=10)  # fairseq's usual cap: degenerate hypotheses stop early
 OPTIONS = {
     "beam4-defaults": dict(beam_size=4),
-    "beam5-lenpen": dict(beam_size=5, len_penalty=0.6, **CAPPED),
+    "beam5-lenpen-min-len-unkpen": dict(beam_size=5, len_penalty=0.6, min_len=6, unk_penalty=-5.0, **CAPPED),
     "greedy": dict(beam_size=1, **CAPPED),
-    "min-len-unkpen": dict(beam_size=4, min_len=6, unk_penalty=-8.0, **CAPPED),
     "short-max-len": dict(beam_size=3, max_len_b=4),
-    "unnormalized-temperature": dict(beam_size=3, normalize_scores=False, temperature=0.7, len_penalty=1.5, **CAPPED),
-    "no-repeat-ngram": dict(beam_size=4, no_repeat_ngram_size=2, **CAPPED),
+    # with --unnormalized fairseq ignores --lenpen; the ls generator must too
+    "no-repeat-ngram-unnormalized-temperature": dict(beam_size=4, no_repeat_ngram_size=2, normalize_scores=False,
+                                                     temperature=0.7, len_penalty=1.5, **CAPPED),
 }
 
 
 @pytest.mark.parametrize("name", sorted(OPTIONS))
-def test_nbest_equals_fairseqs_sequence_generator(loaded, name):
+def test_nbest_equals_fairseqs_sequence_generator(loaded, few, name):
     model, task, batches = loaded
     options = OPTIONS[name]
     ref = translate(stock_generator(model, task, **options), model, batches)
@@ -138,21 +147,28 @@ def test_nbest_equals_fairseqs_sequence_generator(loaded, name):
         assert max(lengths) == 5 and min(lengths) < 5
     if name == "beam4-defaults":  # a trained model: most hypotheses end with EOS, far below the maximum length (200)
         assert sum(length < 100 for length in lengths) >= 0.75 * len(lengths) and sum(lengths) / len(lengths) > 3
-    if name == "no-repeat-ngram":
+    if name == "beam5-lenpen-min-len-unkpen":  # both options change hypotheses: none shorter, some with unk
+        unk = task.target_dictionary.unk()
+        assert min(len(h["tokens"]) for hypos in out.values() for h in hypos) >= 7
+        assert any(h["tokens"].eq(unk).any() for hypos in out.values() for h in hypos)
+    if name == "no-repeat-ngram-unnormalized-temperature":
         for hypos in out.values():
             for h in hypos:
                 t = h["tokens"].tolist()
                 assert len(set(zip(t, t[1:]))) == len(t) - 1, t
-        plain = translate(stock_generator(model, task, beam_size=4, **CAPPED), model, batches[:1])
+        _, _, some = few
+        without = {key: value for key, value in options.items() if key != "no_repeat_ngram_size"}
+        plain = translate(stock_generator(model, task, **without), model, some)
         assert any(not torch.equal(plain[i][0]["tokens"], out[i][0]["tokens"]) for i in plain)
-        broken = translate(stock_generator(model, task, fixed_ngram=False, **options), model, batches[:1])
+        broken = translate(stock_generator(model, task, fixed_ngram=False, **options), model, some)
         assert all(torch.equal(plain[i][0]["tokens"], broken[i][0]["tokens"]) for i in plain), \
             "fairseq's own CPU n-gram blocker now blocks: drop FixedNGramBlock"
 
 
-@pytest.mark.parametrize("prefix_size", [2, 4])
-def test_prefix_equals_fairseqs_sequence_generator(loaded, prefix_size):
+def test_prefix_equals_fairseqs_sequence_generator(loaded):
+    """--prefix-size 4: forced tokens, and targets shorter than the prefix, where it ends the sentence."""
     model, task, batches = loaded
+    prefix_size = 4
     ref = translate(stock_generator(model, task, beam_size=4, **CAPPED), model, batches, prefix_size)
     out = translate(LSSequenceGenerator([model], task.target_dictionary, beam_size=4, **CAPPED), model, batches,
                     prefix_size)
@@ -162,18 +178,16 @@ def test_prefix_equals_fairseqs_sequence_generator(loaded, prefix_size):
         prefix = targets[i][:prefix_size]
         prefix = prefix[prefix.ne(task.target_dictionary.pad())]
         assert all(torch.equal(h["tokens"][: len(prefix)], prefix) for h in hypos)
-    if prefix_size == 4:  # targets shorter than the prefix: it ends the sentence, every beam a copy of the first
-        assert any(targets[i][:prefix_size].eq(task.target_dictionary.eos()).any() for i in out)
+    assert any(targets[i][:prefix_size].eq(task.target_dictionary.eos()).any() for i in out)
 
 
 @pytest.mark.parametrize("sync_every,compact_fraction,capacity", [(1, 0.0, 1), (3, 0.5, 2), (1000, 0.25, 64)])
-def test_sync_points_compaction_and_cache_growth_leave_the_result(loaded, monkeypatch, sync_every, compact_fraction,
+def test_sync_points_compaction_and_cache_growth_leave_the_result(few, monkeypatch, sync_every, compact_fraction,
                                                                    capacity):
     """The host's reads of the done flags, dropping finished sentences from the batch and the
     self-attention cache's growth change nothing; the host reads a value only at the sync points
     and once for the results."""
-    model, task, batches = loaded
-    batches = batches[:1]
+    model, task, batches = few
     monkeypatch.setattr(sequence_generator, "INITIAL_CAPACITY", capacity)
     reads = []
     monkeypatch.setattr(sequence_generator, "host_read", lambda t: reads.append(t.numel()) or t.cpu())
@@ -222,8 +236,8 @@ def test_other_architectures_equal_fairseqs_sequence_generator(variant):
         assert_same_nbest(ref, translate(LSSequenceGenerator([model], d, **options), model, [batch]))
 
 
-def test_bad_input_gets_a_clear_error(loaded):
-    model, task, batches = loaded
+def test_bad_input_gets_a_clear_error(few):
+    model, task, batches = few
     d = task.target_dictionary
     with pytest.raises(ValueError, match="min_len cannot be larger than max_len"):
         LSSequenceGenerator([model], d, beam_size=2, min_len=10, max_len_b=5).generate([model], batches[0])
@@ -321,6 +335,36 @@ def test_beam_select_half_precision(dtype):
     assert values.dtype == dtype and torch.equal(values.float(), ref_values) and torch.equal(indices, ref_indices)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows,entries,k,groups", [(1, 1, 1, 32), (3, 7, 2, 32), (5, 4 * 32003, 8, 32),
+                                                   (128, 5 * 611, 10, 32), (2, 33, 33, 4), (6, 3000, 64, 1024)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "inf", "constant"])
+def test_beam_select_kernel_equals_the_reference(dtype, rows, entries, k, groups, kind):
+    """The HARS kernel against the reference and a stable sort: the same values and indices, ties in
+    index order; "constant" rows put every entry of the first k runs above the threshold, more than
+    the kernel's candidate buffer at 128,012 entries (its k-pass path)."""
+    from helpers import kernel
+
+    x = torch.randn(rows, entries, device="cuda")
+    if kind == "ties":
+        x = torch.randint(-3, 3, (rows, entries), device="cuda").float() / 2
+        x[x.eq(0) & torch.rand_like(x).lt(0.5)] = -0.0
+    if kind == "inf":
+        x = torch.where(torch.rand_like(x) < 0.9, torch.tensor(-math.inf, device="cuda"), x)
+        x[0] = -math.inf
+    if kind == "constant":
+        x = torch.full((rows, entries), -1.25, device="cuda")
+    x = x.to(dtype)
+    kernel("beam_select", x)
+    values, indices = beam_select(x, k, groups)
+    ref_values, ref_indices = beam_select_reference(x, k, groups)
+    assert values.dtype == dtype and indices.dtype == torch.int64
+    assert torch.equal(indices, ref_indices) and torch.equal(values, ref_values)
+    sorted_values, sorted_indices = sort_reference(x, k)
+    assert torch.equal(indices, sorted_indices.to(indices.device)) and torch.equal(values.float(), sorted_values)
+
+
 def test_beam_select_rejects_bad_input():
     with pytest.raises(ValueError, match="k = 5"):
         beam_select(torch.zeros(2, 4), 5)
@@ -414,7 +458,7 @@ def test_bench_generate_smoke(data_bin, trained, tmp_path):
     import json
     import sys
 
-    proc = run([sys.executable, "scripts/bench_generate.py", "--out", str(tmp_path), "--smoke", "--cpu",
+    proc = run([sys.executable, "scripts/bench_generate.py", "--out", str(tmp_path), "--smoke", "--cpu", "--fairseq-on-ls",
                 "--data-bin", str(data_bin / "data-bin"), "--checkpoint", "tiny={}".format(trained)],
                cwd=USER_DIR.rsplit("/", 1)[0])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -441,6 +485,39 @@ def bleu(hypos, task, batches):
     ids = sorted(refs)
     return sacrebleu.corpus_bleu([d.string(hypos[i][0]["tokens"].cpu(), "sentencepiece") for i in ids],
                                  [[refs[i] for i in ids]]).score
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_generation_runs_the_kernels(few, monkeypatch, dtype):
+    """On the GPU in fp16/bf16 every op the generator's steps call takes its kernel path: the
+    candidate selection is the beam_select kernel, every step."""
+    from ls_fairseq.ops import dispatch
+
+    model, task, batches = few
+    picked = []  # (op, whether it took its kernel) of every Route decision
+    pick = dispatch.Route.pick
+
+    def recorded(route, tensor):
+        found = pick(route, tensor)
+        picked.append((route.op, route.kernel is not None and found is route.kernel))
+        return found
+
+    monkeypatch.setattr(dispatch.Route, "pick", recorded)
+    steps = []
+    model = model.cuda().to(dtype)
+    decode_step = model.decoder.decode_step
+    monkeypatch.setattr(model.decoder, "decode_step", lambda *a: steps.append(1) or decode_step(*a))
+    try:
+        out = translate(LSSequenceGenerator([model], task.target_dictionary, beam_size=4, len_penalty=0.6), model,
+                        batches, device="cuda")
+    finally:
+        model.float().cpu()
+    assert len(out) == 40 and all(out.values())
+    assert steps and all(kernel for _, kernel in picked), sorted({op for op, kernel in picked if not kernel})
+    ops_run = [op for op, _ in picked]
+    assert ops_run.count("beam_select") == len(steps)
+    assert {"embedding", "attention"} <= set(ops_run), set(ops_run)
 
 
 @pytest.mark.gpu
