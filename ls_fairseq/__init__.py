@@ -3,14 +3,17 @@
 Importing the package (``import ls_fairseq`` or ``--user-dir .../ls_fairseq``)
 registers the ``ls_transformer`` model and its architectures, the
 ``ls_label_smoothed_cross_entropy`` criterion and the ``ls_adam`` optimizer,
-and allowlists the types that fairseq checkpoints hold for torch's
+allowlists the types that fairseq checkpoints hold for torch's
 weights_only loading (see ``ls_fairseq.checkpoint``), makes fairseq's
-checkpoint writing atomic (same module) and checks the token ids of the data
-fairseq loads against its dictionary (``ls_fairseq.data_checks``).
+checkpoint writing atomic (same module), checks the token ids of the data
+fairseq loads against its dictionary (``ls_fairseq.data_checks``), and has
+the translation task translate ls models with ``ls_fairseq.generation``
+(fairseq-generate, fairseq-interactive: see there).
 """
-from ls_fairseq import checkpoint, criterions, data_checks, models, optim  # noqa: F401
+from ls_fairseq import checkpoint, criterions, data_checks, generation, models, optim  # noqa: F401
 
 checkpoint.install()
 data_checks.install()
+generation.install()
 
 __version__ = "0.1.0"

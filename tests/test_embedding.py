@@ -72,6 +72,101 @@ def test_too_long_for_learned_positions_is_an_error():
         ops.embedding(tokens, ops.make_positions(tokens, PAD), torch.randn(5, 2), torch.randn(8, 2), 1.0, PAD)
 
 
+def stand_in_kernel(rows_seen):
+    """A CPU stand-in for ``_C`` whose embedding_forward looks the positions up in the table it is given
+    (an IndexError when the table is too short, where the kernel would read past it)."""
+    import types
+
+    def forward(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask):
+        rows_seen.append(pos_weight.shape[0])
+        x = (weight[tokens].double() * scale + pos_weight[positions].double()).to(weight.dtype)
+        return x.masked_fill(tokens.eq(padding_idx).unsqueeze(-1), 0.0), None
+
+    return types.SimpleNamespace(embedding_forward=forward)
+
+
+@pytest.fixture
+def kernel_path_on_cpu(monkeypatch):
+    """The embedding's kernel path on the CPU, through the stand-in: the rows of each sinusoid table it got."""
+    import importlib
+
+    from ls_fairseq.ops import dispatch
+
+    embedding = importlib.import_module("ls_fairseq.ops.embedding")  # the module (ops.embedding is the function)
+    rows = []
+    monkeypatch.setattr(embedding, "_C", stand_in_kernel(rows))
+    monkeypatch.setattr(embedding, "_sinusoid_tables", {})
+    monkeypatch.setattr(embedding.EMBEDDING_ROUTE, "kernel",
+                        (embedding.embedding_forward_kernel, embedding.embedding_backward_reference))
+    use_kernel = dispatch.use_kernel
+    monkeypatch.setattr(dispatch, "use_kernel", lambda op, t: op == "embedding" or use_kernel(op, t))
+    return rows
+
+
+def test_sinusoid_table_has_a_row_for_every_position_of_incremental_decoding(kernel_path_on_cpu):
+    """One token at position padding_idx + 1 + step (incremental decoding: T = 1) far beyond the
+    table's first 1024 rows: the kernel path's table is sized from the positions' bound, not the length."""
+    V, D, step = 11, 8, 1500
+    w = torch.randn(V, D, dtype=torch.float64)
+    tokens = torch.randint(PAD + 1, V, (3, 1))
+    positions = torch.full_like(tokens, PAD + 1 + step)
+    out = ops.embedding(tokens, positions, w, None, D**0.5, PAD, max_position=PAD + 1 + step)
+    assert kernel_path_on_cpu and kernel_path_on_cpu[-1] > PAD + 1 + step
+    ref, _ = embedding_forward_reference(tokens, positions, w, None, D**0.5, PAD, 0.0, None)
+    assert_close(out, ref, rtol=1e-6, atol=1e-6, what="embedding at step 1500")
+    # without the bound the kernel path sizes the table for make_positions' positions of T tokens
+    tokens = tokens_with_padding(2, 5, V, left_pad=True)
+    ops.embedding(tokens, ops.make_positions(tokens, PAD), w, None, D**0.5, PAD)
+    with pytest.raises(ValueError, match="length 1501 exceeds the learned position table"):
+        ops.embedding(tokens[:1, :1], positions[:1], w, torch.randn(1026, D), 1.0, PAD, max_position=PAD + 1 + step)
+
+
+def test_decoder_steps_beyond_1024_positions_read_inside_the_sinusoid_table(kernel_path_on_cpu):
+    """ls_transformer's incremental paths (fairseq's, and decode_step of ls_fairseq.generation) give the
+    embedding the bound of the position they decode."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from model_utils import build_pair
+
+    from ls_fairseq.generation.cache import DecoderCache
+
+    _, model, task = build_pair(max_target_positions=2048, decoder_layers=1, encoder_layers=1)
+    model.eval()
+    d = task.source_dictionary
+    src = torch.randint(d.nspecial, len(d), (2, 6))
+    src[:, -1] = d.eos()
+    encoder_out = model.encoder(src, src.ne(d.pad()).sum(1))
+    prev = torch.randint(d.nspecial, len(d), (2, 1500))
+    with torch.no_grad():
+        logits, _ = model.decoder(prev, encoder_out, incremental_state={})
+        assert kernel_path_on_cpu[-1] > PAD + 1500
+        cache = DecoderCache(model.decoder, encoder_out, 1, 2048)
+        step_logits = model.decoder.decode_step(prev[:, -1:], 1499, cache)
+    assert kernel_path_on_cpu[-1] > PAD + 1500
+    assert torch.isfinite(logits).all() and torch.isfinite(step_logits).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_sinusoids_at_positions_beyond_the_first_table(dtype):
+    """The kernel at single tokens far past 1024 positions (incremental decoding): the values of
+    fairseq's sinusoids there, not of rows past the end of a 1024-row table."""
+    import importlib
+
+    importlib.import_module("ls_fairseq.ops.embedding")._sinusoid_tables.clear()
+    V, D = 50, 512
+    w = torch.randn(V, D, device="cuda").to(dtype)
+    kernel("embedding", w)
+    for step in (3, 1500, 5000):
+        tokens = torch.randint(PAD + 1, V, (8, 1), device="cuda")
+        positions = torch.full_like(tokens, PAD + 1 + step)
+        out = ops.embedding(tokens, positions, w, None, D**0.5, PAD, training=False, max_position=PAD + 1 + step)
+        out64, _ = embedding_forward_reference(tokens, positions, w.double(), None, D**0.5, PAD, 0.0, None)
+        out_l, _ = embedding_forward_reference(tokens, positions, w, None, D**0.5, PAD, 0.0, None)
+        check_kernel(out, out64, out_l, "out at step {}".format(step))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("learned", [False, True])

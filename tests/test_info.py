@@ -12,7 +12,7 @@ from conftest import REPO, run
 from ls_fairseq import info
 from ls_fairseq.ops import dispatch
 
-EVERY_OP = list(dispatch.OPS) + ["linear", "residual"]
+EVERY_OP = list(dispatch.OPS) + ["beam_attention", "linear", "residual"]
 
 
 def op_lines(lines):

@@ -687,6 +687,25 @@ Tensor cross_entropy_backward(const Tensor& dloss, const std::optional<Tensor>& 
   return grad;
 }
 
+// ---- beam_select ----
+std::tuple<Tensor, Tensor> beam_select(const Tensor& scores, int64_t k, int64_t groups) {
+  check(scores, "scores");
+  TORCH_CHECK(scores.dim() == 2, "beam_select: scores must be [rows, entries], got ", scores.sizes());
+  const int64_t rows = scores.size(0), entries = scores.size(1);
+  TORCH_CHECK(entries < (int64_t(1) << 32), "beam_select: rows of ", entries, " entries; fewer than 2^32 expected");
+  TORCH_CHECK(1 <= k && k <= entries, "beam_select: k = ", k, " must be within 1..", entries);
+  const int64_t runs = std::max(std::min(groups, entries), k);
+  TORCH_CHECK(runs <= ls::kBeamSelectMaxGroups, "beam_select: ", runs, " runs (max(min(groups, entries), k)); at most ",
+              ls::kBeamSelectMaxGroups);
+  const c10::cuda::CUDAGuard guard(scores.device());
+  auto values = torch::empty({rows, k}, scores.options());
+  auto indices = torch::empty({rows, k}, scores.options().dtype(at::kLong));
+  ls::beam_select(dtype_of(scores, "scores"), scores.data_ptr(), values.data_ptr(), indices.data_ptr<int64_t>(), rows,
+                  entries, int(k), int(runs), stream());
+  CHECK_CUDA_OK();
+  return {values, indices};
+}
+
 // ---- adam ----
 void check_f32_like(const Tensor& t, const Tensor& param, const char* name) {
   check(t, name);
@@ -809,6 +828,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("embedding_backward", &embedding_backward);
   m.def("cross_entropy_forward", &cross_entropy_forward);
   m.def("cross_entropy_backward", &cross_entropy_backward);
+  m.attr("beam_select_max_groups") = ls::kBeamSelectMaxGroups;
+  m.def("beam_select", &beam_select);
   m.def("adam_step", &adam_step);
   m.def("grad_norm", &grad_norm);
   m.def("scaled_grad_norm", &scaled_grad_norm);

@@ -156,6 +156,13 @@ void cross_entropy_backward(DType dt, const float* dloss, int64_t dloss_stride, 
                             const int64_t* target, const float* lse, void* dlogits, int64_t n, int vocab,
                             float epsilon, int padding_idx, cudaStream_t stream);
 
+// beam_select.cu: per row of scores [rows, M] (M < 2^32) its k largest entries, largest first, ties in index
+// order -> values [rows, k] (scores' dtype), indices [rows, k]; the threshold from `groups` runs' maxima,
+// k <= groups <= kBeamSelectMaxGroups
+constexpr int kBeamSelectMaxGroups = 1024;
+void beam_select(DType dt, const void* scores, void* values, int64_t* indices, int64_t rows, int64_t M, int k,
+                 int groups, cudaStream_t stream);
+
 // adam.cu
 constexpr int kNormBlocks = 512;  // partial: kNormBlocks floats
 // The loss-scale and clipping decision grad_norm can take on the device once the

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from ls_fairseq import ops
+from ls_fairseq.ops.beam_attention import beam_attention
 
 
 def _xavier_blocks(weight, block_rows, gain):
@@ -150,5 +151,32 @@ class DecoderLayer(_Layer):
         ctx = ops.attention(q, enc_k, enc_v, enc_mask, self.attention_dropout, self.training, self.deterministic,
                             exact_row_term=True)
         out = ops.linear(ctx, attn.out_proj.weight, heads=True)
+        x = self._block_output(out, attn.out_proj.bias, x, self.encoder_attn_layer_norm, residual)
+        return self._ffn(x)
+
+    def forward_step(self, x, step, cache, index):
+        """One step of incremental decoding (ls_fairseq.generation): x [N, 1, d] for the token at
+        position ``step`` of N = sentences x beams hypotheses. This layer's self-attention keys and
+        values go into ``cache`` (a generation.DecoderCache; ``index`` this layer's number) at
+        ``step`` and the query attends to positions 0..step; the cross-attention takes the cache's
+        keys and values of the encoder output (computed once per batch, one row per sentence) with
+        the beams of a sentence as one block of queries, so they are never copied per beam."""
+        attn = self.self_attn
+        h, residual, _ = self._block_input(x, self.self_attn_layer_norm)
+        q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight), attn.qkv_proj.bias, attn.num_heads, 3,
+                                  attn.scaling, token_major=True)
+        k, v = cache.append(index, step, k, v)
+        ctx = ops.attention(q, k, v, None, 0.0, False)
+        x = self._block_output(ops.linear(ctx, attn.out_proj.weight, heads=True), attn.out_proj.bias, x,
+                               self.self_attn_layer_norm, residual)
+        attn = self.encoder_attn
+        h, residual, _ = self._block_input(x, self.encoder_attn_layer_norm)
+        (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight), attn.q_proj.bias, attn.num_heads, 1, attn.scaling,
+                               token_major=True)
+        enc_k, enc_v, enc_mask = cache.encoder(index)
+        N, H, _, D = q.shape
+        q = q.transpose(1, 2).reshape(enc_k.shape[0], N // enc_k.shape[0], H, D).transpose(1, 2)
+        ctx = beam_attention(q, enc_k, enc_v, enc_mask)
+        out = ops.linear(ctx, attn.out_proj.weight, heads=True).reshape(N, 1, H * D)
         x = self._block_output(out, attn.out_proj.bias, x, self.encoder_attn_layer_norm, residual)
         return self._ffn(x)

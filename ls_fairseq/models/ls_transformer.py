@@ -117,11 +117,11 @@ class _EmbeddingMixin:
             _embedding(max_positions + self.padding_idx + 1, dim, self.padding_idx) if learned_pos else None
         )
 
-    def _embed(self, tokens, positions):
+    def _embed(self, tokens, positions, max_position=None):
         pos_weight = self.embed_positions.weight if self.embed_positions is not None else None
         return ops.embedding(
             tokens, positions, self.embed_tokens.weight, pos_weight, self.embed_scale, self.padding_idx,
-            self.embed_dropout, self.training,
+            self.embed_dropout, self.training, max_position=max_position,
         )
 
     def max_positions(self):
@@ -227,6 +227,7 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
         pad = self.padding_idx
         positions = ops.make_positions(prev_output_tokens, pad)
         cache = self.get_incremental_state(incremental_state, "cache") if incremental_state is not None else None
+        max_position = pad + prev_output_tokens.shape[1]  # make_positions' largest, also for the last token alone
         if incremental_state is not None:
             prev_output_tokens, positions = prev_output_tokens[:, -1:], positions[:, -1:]
             if cache is None:  # decoding: one tensor, which a beam reorder selects from
@@ -237,7 +238,7 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
             encoder_kv = self._encoder_keys_values(encoder_out)
             self_mask = ops.AttentionMask(prev_output_tokens.eq(pad), causal=True, right_padded=self.right_padded_targets)
         enc_mask = ops.AttentionMask(encoder_out["encoder_padding_mask"][0] if encoder_out["encoder_padding_mask"] else None)
-        x = self._embed(prev_output_tokens, positions)
+        x = self._embed(prev_output_tokens, positions, max_position)
         inner_states = [x]
         for i, layer in enumerate(self.layers):
             layer_cache = None
@@ -265,6 +266,20 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
                 for name in value:
                     value[name] = value[name].index_select(0, new_order)
         self.set_incremental_state(incremental_state, "cache", cache)
+
+    def decode_step(self, tokens, step, cache):
+        """One step of incremental decoding on preallocated caches (ls_fairseq.generation): ``tokens``
+        [N, 1] the token at position ``step`` (0-based) of every hypothesis; ``cache`` a
+        generation.DecoderCache of this decoder. Returns the logits [N, vocab]. Numerically the
+        incremental path of ``forward`` (positions padding_idx + 1 + step, as make_positions gives a
+        hypothesis, which holds no padding)."""
+        position = self.padding_idx + 1 + step
+        x = self._embed(tokens, torch.full_like(tokens, position), position)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_step(x, step, cache, i)
+        if self.layer_norm is not None:
+            x = ops.layer_norm(x, self.layer_norm.weight, self.layer_norm.bias)
+        return self.output_layer(x)[:, 0]
 
 @register_model("ls_transformer")
 class LSTransformerModel(FairseqEncoderDecoderModel):

@@ -39,6 +39,7 @@ OPS = (
     "layer_norm",
     "cross_entropy",
     "adam",
+    "beam_select",
 )
 
 

@@ -4,7 +4,12 @@ tokens [B, T] and positions [B, T] (fairseq's make_positions: padding_idx + 1
 onwards for real tokens, padding_idx for padding) -> [B, T, d]. Positions come
 from a learned table, or, when ``pos_weight`` is None, from fairseq's
 sinusoidal formula (on the kernel path: a table of it in the storage dtype,
-as fairseq keeps one, grown on demand; it has no gradient).
+as fairseq keeps one, grown on demand; it has no gradient). The table must
+hold a row for every position, which the host knows without reading the
+positions back: by default the largest position make_positions gives T
+tokens, padding_idx + T; a caller whose positions go further (incremental
+decoding embeds one token at position padding_idx + 1 + step) passes
+``max_position``.
 Backward accumulates the table gradients in fp32 (no half-precision atomics)
 and casts once; padding tokens give no gradient.
 """
@@ -49,14 +54,22 @@ def sinusoid_table(rows, dim, padding_idx, dtype, device):
     return table
 
 
-def embedding_forward_kernel(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask):
-    """The kernel ``_C.embedding_forward``, given fairseq's sinusoid table when positions are not learned."""
+def position_bound(tokens, padding_idx, max_position=None):
+    """The largest position id the embedding of ``tokens`` [B, T] may read: ``max_position`` when the
+    caller gives it, else padding_idx + T (make_positions' largest for T tokens)."""
+    return padding_idx + tokens.shape[-1] if max_position is None else max_position
+
+
+def embedding_forward_kernel(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask, max_position=None):
+    """The kernel ``_C.embedding_forward``, given fairseq's sinusoid table when positions are not learned
+    (rows up to ``position_bound``)."""
     if pos_weight is None:
-        pos_weight = sinusoid_table(padding_idx + 1 + tokens.shape[-1], weight.shape[1], padding_idx, weight.dtype, weight.device)
+        rows = position_bound(tokens, padding_idx, max_position) + 1
+        pos_weight = sinusoid_table(rows, weight.shape[1], padding_idx, weight.dtype, weight.device)
     return _C.embedding_forward(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask)
 
 
-def embedding_forward_reference(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask):
+def embedding_forward_reference(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask, max_position=None):
     x = dispatch.upcast(weight[tokens]) * scale
     if pos_weight is None:
         x = x + dispatch.upcast(sinusoidal(positions, weight.shape[1], padding_idx).to(weight.dtype))
@@ -94,9 +107,9 @@ EMBEDDING_ROUTE = dispatch.Route(
 
 class EmbeddingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tokens, positions, weight, pos_weight, scale, padding_idx, p, mask):
+    def forward(ctx, tokens, positions, weight, pos_weight, scale, padding_idx, p, mask, max_position):
         fwd, bwd = EMBEDDING_ROUTE.pick(weight)
-        out, dropout = fwd(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask)
+        out, dropout = fwd(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask, max_position)
         ctx.bwd, ctx.weight, ctx.pos_weight = bwd, weight, pos_weight
         ctx.args = (scale, padding_idx, p, weight.shape[0], 0 if pos_weight is None else pos_weight.shape[0])
         dispatch.save_with_dropout(ctx, (tokens, positions), dropout)
@@ -105,28 +118,31 @@ class EmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         if dout is None:
-            return (None,) * 8
+            return (None,) * 9
         (tokens, positions), dropout = dispatch.saved_with_dropout(ctx)
         into = workspace.grad_in_place(ctx.weight)
         pos_into = None if ctx.pos_weight is None else workspace.grad_in_place(ctx.pos_weight)
         dweight, dpos = ctx.bwd(dout.contiguous(), tokens, positions, dropout, *ctx.args, into, pos_into)
         return (None, None, workspace.for_autograd(dweight, into), workspace.for_autograd(dpos, pos_into),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
-def embedding(tokens, positions, weight, pos_weight, scale, padding_idx, p=0.0, training=True, mask=None):
-    """scale * weight[tokens] + positions' embedding, dropout ``p``; [B, T] -> [B, T, d]."""
+def embedding(tokens, positions, weight, pos_weight, scale, padding_idx, p=0.0, training=True, mask=None,
+              max_position=None):
+    """scale * weight[tokens] + positions' embedding, dropout ``p``; [B, T] -> [B, T, d].
+    ``max_position``: the largest entry of ``positions`` or a bound on it (default padding_idx + T,
+    see the module docstring)."""
     if tokens.shape != positions.shape or tokens.dim() != 2:
         raise ValueError(
             "embedding: tokens {} and positions {} must both be [batch, len]".format(
                 tuple(tokens.shape), tuple(positions.shape)
             )
         )
-    if pos_weight is not None and padding_idx + tokens.shape[1] >= pos_weight.shape[0]:
+    bound = position_bound(tokens, padding_idx, max_position)
+    if pos_weight is not None and bound >= pos_weight.shape[0]:
         raise ValueError(
-            "embedding: length {} exceeds the learned position table ({} rows); raise --max-source-positions/--max-target-positions".format(
-                tokens.shape[1], pos_weight.shape[0]
-            )
+            "embedding: length {} exceeds the learned position table ({} rows); raise "
+            "--max-source-positions/--max-target-positions".format(bound - padding_idx, pos_weight.shape[0])
         )
     if not tokens.is_cuda and tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < weight.shape[0]:
         # on the host the check is cheap; GPU batches come from data that ls_fairseq.data_checks checked at load
@@ -135,5 +151,6 @@ def embedding(tokens, positions, weight, pos_weight, scale, padding_idx, p=0.0, 
             int(bad[0]), weight.shape[0]))
     p = p if training else 0.0
     return EmbeddingFunction.apply(
-        tokens.contiguous(), positions.contiguous(), weight, pos_weight, scale, padding_idx, p, mask if p > 0 else None
+        tokens.contiguous(), positions.contiguous(), weight, pos_weight, scale, padding_idx, p, mask if p > 0 else None,
+        max_position,
     )

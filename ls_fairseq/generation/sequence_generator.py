@@ -1,0 +1,334 @@
+"""Beam search for ls_transformer with every decision on the device.
+
+The search is fairseq's SequenceGenerator with BeamSearch (fairseq/sequence_generator.py), step
+for step: 2 x beam candidates per sentence from the cumulative scores, the end-of-sentence ones
+among the first beam of them finished (score divided by length ** lenpen), the first beam that do
+not end the sentence continued; a sentence is done when it has beam finished hypotheses or at the
+maximum length. The same options (--beam, --nbest at the output, --lenpen, --unnormalized,
+--max-len-a/-b, --min-len, --unkpen, --temperature, --no-repeat-ngram-size, --prefix-size, and a
+bos_token) and the same output (per sentence the finished hypotheses, best first, as dicts of
+tokens, score, positional_scores, empty attention and alignment).
+
+What differs is where it runs. Every step is batched tensor ops with shapes fixed by the batch
+and the step number: the model's decode_step on preallocated caches (generation.DecoderCache:
+the encoder runs once, its keys and values for all layers once per batch), candidates from
+ops.beam_select, finished hypotheses written into per-sentence slots by scatter, the sentence's
+done flag and the stop test as tensors. Nothing in a step reads a tensor back to the host: no
+.item(), no boolean-mask indexing, no branch on a value. Every ``sync_every`` steps the host reads
+the sentences' done flags (one small copy): it stops when all are done, and when at least
+``compact_fraction`` of the batch is done it drops those sentences (their results kept), as
+fairseq drops each finished sentence at once. Finished sentences still in the batch run on
+without effect until then.
+
+Two deliberate differences, both where fairseq's own results are not defined by its search:
+- the order among candidates of exactly equal score (fairseq's is torch.topk's, unspecified;
+  here the lower beam, then the lower token, first; finished hypotheses of equal score keep the
+  order in which they finished);
+- --no-repeat-ngram-size blocks repeated n-grams as fairseq's CUDA extension does: fairseq's
+  Python fallback, used wherever that extension is not built (fairseq's CPU generation, and the
+  fairseq-fixed wheel everywhere), compares the last n - 1 entries of its whole token buffer,
+  padding, with the hypotheses' n-grams and so blocks nothing (fairseq issue 4709).
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ls_fairseq.generation.cache import DecoderCache
+from ls_fairseq.ops.beam_select import beam_select
+
+INITIAL_CAPACITY = 64  # self-attention cache positions before the first doubling
+
+
+def host_read(tensor):
+    """The generator's only reads of device values, at its sync points (tests count them)."""
+    return tensor.cpu()
+
+
+class LSSequenceGenerator(nn.Module):
+    def __init__(
+        self,
+        models,
+        tgt_dict,
+        beam_size=1,
+        max_len_a=0,
+        max_len_b=200,
+        max_len=0,
+        min_len=1,
+        normalize_scores=True,
+        len_penalty=1.0,
+        unk_penalty=0.0,
+        temperature=1.0,
+        no_repeat_ngram_size=0,
+        sync_every=None,
+        compact_fraction=None,
+    ):
+        """``models``: one ls_transformer model; the other arguments as fairseq's SequenceGenerator's.
+        ``sync_every``: steps between the host's reads of the done flags (default: 1 for a model on
+        the CPU, where a read costs nothing, else 8); ``compact_fraction``: the fraction of the
+        batch's sentences that must be done before they are dropped at a sync point (default: any
+        on the CPU, as fairseq drops them, else a quarter: dropping copies the caches once)."""
+        super().__init__()
+        if len(models) != 1:
+            raise ValueError("LSSequenceGenerator: one model, not an ensemble of {}".format(len(models)))
+        if no_repeat_ngram_size == 1 or no_repeat_ngram_size < 0:
+            raise ValueError("LSSequenceGenerator: --no-repeat-ngram-size {} (0 or at least 2)".format(
+                no_repeat_ngram_size))
+        if temperature <= 0:
+            raise ValueError("--temperature must be greater than 0")
+        self.model = models[0]
+        self.tgt_dict = tgt_dict
+        self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
+        self.symbols_to_strip_from_output = {self.eos}
+        self.vocab_size = len(tgt_dict)
+        self.beam_size = min(beam_size, self.vocab_size - 1)
+        if 2 * self.beam_size > self.vocab_size - 1:
+            raise ValueError("LSSequenceGenerator: beam {} needs a vocabulary of more than {} symbols ({})".format(
+                self.beam_size, 2 * self.beam_size + 1, self.vocab_size))
+        self.max_len_a, self.max_len_b, self.min_len = max_len_a, max_len_b, min_len
+        self.max_len = max_len or self.model.max_decoder_positions()
+        self.normalize_scores, self.len_penalty = normalize_scores, len_penalty
+        self.unk_penalty, self.temperature = unk_penalty, temperature
+        self.no_repeat_ngram_size = no_repeat_ngram_size
+        self.sync_every, self.compact_fraction = sync_every, compact_fraction
+        self.model.eval()
+
+    @classmethod
+    def from_args(cls, models, tgt_dict, args):
+        """From fairseq's generation options, with the defaults of FairseqTask.build_generator."""
+        return cls(
+            models, tgt_dict,
+            beam_size=getattr(args, "beam", 5),
+            max_len_a=getattr(args, "max_len_a", 0),
+            max_len_b=getattr(args, "max_len_b", 200),
+            min_len=getattr(args, "min_len", 1),
+            normalize_scores=not getattr(args, "unnormalized", False),
+            len_penalty=getattr(args, "lenpen", 1),
+            unk_penalty=getattr(args, "unkpen", 0),
+            temperature=getattr(args, "temperature", 1.0),
+            no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
+        )
+
+    def cuda(self):
+        self.model.cuda()
+        return self
+
+    @torch.no_grad()
+    def forward(self, sample, prefix_tokens=None, bos_token=None):
+        return self._generate(sample, prefix_tokens, bos_token=bos_token)
+
+    @torch.no_grad()
+    def generate(self, models, sample, **kwargs):
+        """fairseq's generator interface (``models`` is the generator's own model)."""
+        return self._generate(sample, **kwargs)
+
+    def _generate(self, sample, prefix_tokens=None, constraints=None, bos_token=None):
+        if constraints is not None:
+            raise NotImplementedError("Target-side constraints were provided, but search method doesn't support them")
+        net_input = sample["net_input"]
+        src_tokens = net_input["src_tokens"]
+        B, src_len = src_tokens.shape[:2]
+        k, V, device = self.beam_size, self.vocab_size, src_tokens.device
+        max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
+        if self.min_len > max_len:
+            raise ValueError("min_len cannot be larger than max_len, please adjust these! (--min-len {}, "
+                             "maximum length {})".format(self.min_len, max_len))
+        sync_every = self.sync_every or (1 if device.type == "cpu" else 8)
+        compact_fraction = self.compact_fraction
+        if compact_fraction is None:
+            compact_fraction = 0.0 if device.type == "cpu" else 0.25
+
+        encoder_out = self.model.encoder.forward_torchscript(net_input)
+        cache = DecoderCache(self.model.decoder, encoder_out, k, min(INITIAL_CAPACITY, max_len + 1))
+        s = _State.start(B, k, max_len + 1, device, self.pad)
+        s.tokens[:, 0] = self.eos if bos_token is None else bos_token
+        beam_offsets = torch.arange(B, device=device)[:, None] * k
+        cand_offsets = torch.arange(2 * k, device=device)
+        parents, reorder = None, False
+        for step in range(max_len + 1):
+            if reorder:
+                cache.reorder(parents, step)
+            logits = self.model.decoder.decode_step(s.tokens[:, step : step + 1], step, cache)
+            lprobs = self._log_probs(logits, step, max_len, s, prefix_tokens)
+
+            # 2 x beam candidates per sentence; at step 0 only the first beam's (the others start at -inf)
+            values, index = beam_select((lprobs + s.cum[:, None]).view(-1, k * V), 2 * k)
+            cand_beams, cand_tokens = index // V, index % V
+            eos_mask = cand_tokens.eq(self.eos) & values.ne(-math.inf)
+            self._finish(s, step, values[:, :k], (cand_beams + beam_offsets)[:, :k], eos_mask[:, :k])
+            if step == max_len:
+                break
+
+            # the first beam candidates that do not end the sentence continue (fairseq's active_hypos)
+            active = torch.topk(eos_mask * (2 * k) + cand_offsets, k, dim=1, largest=False).indices
+            parents = (cand_beams.gather(1, active) + beam_offsets).view(-1)
+            s.tokens[:, : step + 1] = s.tokens[parents, : step + 1]
+            s.tokens[:, step + 1] = cand_tokens.gather(1, active).view(-1)
+            s.scores[:, :step] = s.scores[parents, :step]
+            s.cum = values.gather(1, active).view(-1)
+            s.scores[:, step] = s.cum
+            reorder = k > 1
+
+            if (step + 1) % sync_every == 0:
+                done = host_read(s.done)
+                if bool(done.all()):
+                    break
+                if int(done.sum()) >= max(1, compact_fraction * done.numel()):
+                    keep, leave = (~done).nonzero().view(-1).to(device), done.nonzero().view(-1).to(device)
+                    parents = parents.view(-1, k)[keep].view(-1)
+                    s = s.keep(keep, leave)
+                    cache.keep_sentences(keep)
+                    if prefix_tokens is not None:
+                        prefix_tokens = prefix_tokens[keep]
+                    beam_offsets = beam_offsets[: keep.numel()]
+                    reorder = True
+        return s.results()
+
+    def _log_probs(self, logits, step, max_len, s, prefix_tokens):
+        """fairseq's per-step log-probabilities: temperature, log-softmax in fp32, NaN -> -inf, no pad,
+        the unk penalty, only EOS at the maximum length, then the prefix or the minimum length, then
+        n-gram blocking."""
+        if self.temperature != 1.0:
+            logits = logits.div_(self.temperature)
+        lprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)
+        lprobs.masked_fill_(lprobs.isnan(), -math.inf)
+        lprobs[:, self.pad] = -math.inf
+        if self.unk_penalty:
+            lprobs[:, self.unk] -= self.unk_penalty
+        if step >= max_len:
+            lprobs[:, : self.eos] = -math.inf
+            lprobs[:, self.eos + 1 :] = -math.inf
+        if prefix_tokens is not None and step < prefix_tokens.shape[1] and step < max_len:
+            lprobs = self._force_prefix(lprobs, step, s, prefix_tokens)
+        elif step < self.min_len:
+            lprobs[:, self.eos] = -math.inf
+        if self.no_repeat_ngram_size > 0:
+            self._block_ngrams(lprobs, s.tokens, step)
+        return lprobs
+
+    def _force_prefix(self, lprobs, step, s, prefix_tokens):
+        """fairseq's _prefix_tokens: a hypothesis whose prefix token here is not padding may only take
+        it; where the prefix ends the sentence, every beam becomes a copy of the first."""
+        k = s.beam_size
+        forced = prefix_tokens[:, step].repeat_interleave(k)[:, None]
+        only = torch.full_like(lprobs, -math.inf).scatter_(1, forced, lprobs.gather(1, forced))
+        lprobs = torch.where(forced.ne(self.pad), only, lprobs)
+        ends = forced.view(-1, k)[:, 0].eq(self.eos)
+
+        def first_beam(t):
+            t3 = t.view(ends.numel(), k, -1)
+            return torch.where(ends[:, None, None], t3[:, :1], t3).view(t.shape)
+
+        s.tokens = first_beam(s.tokens)
+        s.scores = first_beam(s.scores)
+        if step > 0:  # at step 0 fairseq's search reads only the first beam
+            s.cum = first_beam(s.cum[:, None]).view(-1)
+        return first_beam(lprobs)
+
+    def _block_ngrams(self, lprobs, tokens, step):
+        """-inf for every token that would repeat an n-gram of the hypothesis (BOS included, as fairseq's
+        CUDA extension does): windows of n - 1 tokens equal to the last n - 1 ban the token after them."""
+        n = self.no_repeat_ngram_size
+        windows = step + 2 - n
+        if windows <= 0:
+            return
+        seen = tokens[:, : step + 1]
+        match = seen.unfold(1, n - 1, 1)[:, :windows].eq(seen[:, None, step + 2 - n :]).all(-1)
+        after = seen[:, n - 1 : n - 1 + windows]
+        lprobs.scatter_add_(1, after, torch.where(match, -math.inf, 0.0))
+
+    def _finish(self, s, step, values, beams, eos_mask):
+        """fairseq's finalize_hypos on the device: each EOS candidate among the first beam of a sentence
+        not yet done takes the sentence's next free slot (while it has one)."""
+        k = s.beam_size
+        new = eos_mask & ~s.done[:, None]
+        rank = s.count[:, None] + new.cumsum(1) - 1
+        slot = torch.where(new & rank.lt(k), rank, k)  # slot k: discarded
+        B = beams.shape[0]
+        history = s.tokens[beams.reshape(-1), 1 : step + 1].view(B, k, step)
+        tokens = torch.cat([history, history.new_full((B, k, 1), self.eos)], dim=2)
+        positional = torch.cat([s.scores[beams.reshape(-1), :step].view(B, k, step), values[:, :, None]], dim=2)
+        score = values / ((step + 1) ** self.len_penalty) if self.normalize_scores else values
+        s.fin_tokens[:, :, : step + 1].scatter_(1, slot[:, :, None].expand(-1, -1, step + 1), tokens)
+        s.fin_positional[:, :, : step + 1].scatter_(1, slot[:, :, None].expand(-1, -1, step + 1), positional)
+        s.fin_score.scatter_(1, slot, score)
+        s.fin_length.scatter_(1, slot, torch.full_like(slot, step + 1))
+        s.count = s.count + (new & rank.lt(k)).sum(1)
+        s.done = s.done | s.count.ge(k)
+
+
+class _State:
+    """The search's tensors for the sentences still in the batch (``sentence``: their numbers in the
+    batch as given) and the output buffers, where sentences' results go when they leave it."""
+
+    RESULTS = ("fin_tokens", "fin_positional", "fin_score", "fin_length", "count")
+
+    def __init__(self, beam_size, **tensors):
+        self.beam_size = beam_size
+        self.__dict__.update(tensors)
+
+    @classmethod
+    def start(cls, B, k, L, device, pad):
+        N = B * k
+        cum = torch.zeros(B, k, device=device)
+        cum[:, 1:] = -math.inf
+        s = cls(
+            k,
+            tokens=torch.full((N, L + 1), pad, dtype=torch.long, device=device),
+            scores=torch.zeros(N, L, device=device),
+            cum=cum.view(-1),
+            done=torch.zeros(B, dtype=torch.bool, device=device),
+            count=torch.zeros(B, dtype=torch.long, device=device),
+            # k + 1 slots: the last takes the candidates that are not kept
+            fin_tokens=torch.full((B, k + 1, L), pad, dtype=torch.long, device=device),
+            fin_positional=torch.zeros(B, k + 1, L, device=device),
+            fin_score=torch.full((B, k + 1), -math.inf, device=device),
+            fin_length=torch.zeros(B, k + 1, dtype=torch.long, device=device),
+            sentence=torch.arange(B, device=device),
+        )
+        s.out = [torch.empty_like(getattr(s, name)) for name in cls.RESULTS]
+        return s
+
+    def _save(self, rows):
+        """Copy the results of the sentences at ``rows`` into the output buffers."""
+        where = self.sentence[rows]
+        for out, name in zip(self.out, self.RESULTS):
+            out.index_copy_(0, where, getattr(self, name)[rows])
+
+    def keep(self, keep, leave):
+        """The state of the sentences at ``keep`` only; the results of those at ``leave`` saved."""
+        self._save(leave)
+        k = self.beam_size
+        rows = (keep[:, None] * k + torch.arange(k, device=keep.device)).view(-1)
+        new = _State(k, tokens=self.tokens[rows], scores=self.scores[rows], cum=self.cum[rows])
+        for name in ("done", "sentence") + self.RESULTS:
+            setattr(new, name, getattr(self, name)[keep])
+        new.out = self.out
+        return new
+
+    def results(self):
+        """fairseq's output: per sentence its finished hypotheses, best first."""
+        self._save(torch.arange(self.sentence.numel(), device=self.sentence.device))
+        tokens, positional, score, length, count = self.out
+        k = self.beam_size
+        score, order = score[:, :k].sort(dim=1, descending=True, stable=True)
+        tokens = tokens[:, :k].gather(1, order[:, :, None].expand(-1, -1, tokens.shape[2]))
+        positional = positional[:, :k].gather(1, order[:, :, None].expand(-1, -1, positional.shape[2]))
+        positional = torch.cat([positional[:, :, :1], positional[:, :, 1:] - positional[:, :, :-1]], dim=2)
+        length = length[:, :k].gather(1, order)
+        host = host_read(torch.cat([count[:, None], length], dim=1)).tolist()
+        empty = torch.empty(0)
+        return [
+            [
+                {
+                    "tokens": tokens[b, j, : host[b][1 + j]],
+                    "score": score[b, j],
+                    "attention": empty,
+                    "alignment": empty,
+                    "positional_scores": positional[b, j, : host[b][1 + j]],
+                }
+                for j in range(host[b][0])
+            ]
+            for b in range(len(host))
+        ]

@@ -1,0 +1,585 @@
+"""ls_fairseq.generation: the device-side beam search against fairseq's SequenceGenerator, the
+beam_select op against torch.topk, and fairseq-generate / fairseq-interactive through the plugin."""
+import logging
+import math
+import re
+
+import pytest
+import torch
+from conftest import USER_DIR, bin_path, run
+from fairseq import checkpoint_utils
+from fairseq.ngram_repeat_block import NGramRepeatBlock
+from fairseq.search import BeamSearch
+from fairseq.sequence_generator import SequenceGenerator
+
+import ls_fairseq  # noqa: F401 (the plugin: registrations, the generator hook)
+from ls_fairseq.generation import LSSequenceGenerator, sequence_generator, unsupported
+from ls_fairseq.ops.beam_select import BEAM_SELECT_ROUTE, beam_select, beam_select_reference, group_threshold, order_keys
+
+TRAIN = [
+    "--arch", "ls_transformer_tiny", "--share-all-embeddings", "--dropout", "0.1",
+    "--criterion", "ls_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+    "--optimizer", "ls_adam", "--adam-betas", "(0.9,0.98)", "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt",
+    "--warmup-updates", "50", "--clip-norm", "1.0", "--max-tokens", "2048", "--max-update", "300",
+    "--cpu", "--num-workers", "0", "--no-progress-bar", "--log-interval", "100", "--disable-validation",
+    "--no-epoch-checkpoints", "--seed", "1",
+]
+
+
+@pytest.fixture(scope="session")
+def trained(data_bin, tmp_path_factory):
+    """A tiny ls_transformer trained for 300 updates on the embedded corpus (its hypotheses end
+    with EOS at realistic lengths): the checkpoint's path."""
+    save = tmp_path_factory.mktemp("generate_ckpt")
+    proc = run([bin_path("fairseq-train"), str(data_bin / "data-bin"), "--user-dir", USER_DIR, "--save-dir", str(save)]
+               + TRAIN)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return save / "checkpoint_last.pt"
+
+
+@pytest.fixture(scope="session")
+def loaded(trained):
+    """(model, task, the test set's 200 sentences as one batch) of the trained checkpoint, in fp32 on
+    the CPU (one batch: the fewest decoding steps for both generators)."""
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task([str(trained)])
+    model = models[0].eval()
+    task.load_dataset("test")
+    itr = task.get_batch_iterator(dataset=task.dataset("test"), max_sentences=200, max_positions=model.max_positions())
+    batches = list(itr.next_epoch_itr(shuffle=False))
+    assert len(batches) == 1 and len(batches[0]["id"]) >= 200
+    return model, task, batches
+
+
+@pytest.fixture(scope="session")
+def few(loaded):
+    """(model, task, [a batch of the test set's first 40 sentences]) for the checks that need no 200."""
+    model, task, _ = loaded
+    dataset = task.dataset("test")
+    return model, task, [dataset.collater([dataset[i] for i in range(40)])]
+
+
+class FixedNGramBlock(NGramRepeatBlock):
+    """fairseq's Python n-gram blocker given the generated tokens only (tokens[:, :step + 1]), which is
+    what its CUDA extension reads; fairseq passes its whole token buffer, padding included, and so
+    blocks nothing without the extension (fairseq issue 4709)."""
+
+    def forward(self, tokens, lprobs, bsz, beam_size, step):
+        return self._no_repeat_ngram(tokens[:, : step + 1], lprobs, bsz, beam_size, step)
+
+
+class IndexOrderedBeamSearch(BeamSearch):
+    """fairseq's BeamSearch with one order among candidates of equal score, the lower index first (as
+    beam_select orders them), where torch.topk's is unspecified. Equal cumulative scores are not rare:
+    in fp32 two different continuations of a long hypothesis often round to the same sum."""
+
+    def step(self, step, lprobs, scores, prev_output_tokens=None, original_batch_idxs=None, candidate_multiple=2):
+        bsz, beam_size, vocab_size = lprobs.size()
+        # step 0: every beam holds the same hypothesis, so only the first beam's candidates count
+        cumulative = lprobs[:, :1] if step == 0 else lprobs + scores[:, :, step - 1 : step]
+        flat = cumulative.reshape(bsz, -1)
+        k = min(candidate_multiple * beam_size, flat.shape[1] - 1)
+        values, indices = torch.sort(flat, dim=1, descending=True, stable=True)
+        values, indices = values[:, :k], indices[:, :k]
+        return values, indices % vocab_size, indices // vocab_size
+
+
+def stock_generator(model, task, fixed_ngram=True, **options):
+    """fairseq's SequenceGenerator, ties in index order (IndexOrderedBeamSearch)."""
+    gen = SequenceGenerator([model], task.target_dictionary, search_strategy=IndexOrderedBeamSearch(task.target_dictionary),
+                            **options)
+    if gen.repeat_ngram_blocker is not None and fixed_ngram:
+        gen.repeat_ngram_blocker = FixedNGramBlock(options["no_repeat_ngram_size"], use_extension=False)
+    return gen
+
+
+def translate(generator, model, batches, prefix_size=0, device="cpu"):
+    """Every sentence's hypotheses, by sentence id."""
+    out = {}
+    for batch in batches:
+        batch = {k: v.to(device) if torch.is_tensor(v) else {n: t.to(device) for n, t in v.items()} if isinstance(v, dict) else v
+                 for k, v in batch.items()}
+        prefix = batch["target"][:, :prefix_size] if prefix_size else None
+        hypos = generator.generate([model], batch, prefix_tokens=prefix)
+        out.update(zip(batch["id"].tolist(), hypos))
+    return out
+
+
+def by_score(hypos):
+    """Hypotheses best first, those of equal score by their tokens (fairseq's sort leaves their order open)."""
+    return sorted(hypos, key=lambda h: (-float(h["score"]), h["tokens"].tolist()))
+
+
+def assert_same_nbest(ref, out):
+    """Hypothesis for hypothesis: the same tokens, scores and positional scores within 1e-4."""
+    assert sorted(ref) == sorted(out)
+    for i in ref:
+        assert len(ref[i]) == len(out[i]), "sentence {}: {} hypotheses, fairseq {}".format(i, len(out[i]), len(ref[i]))
+        assert [float(h["score"]) for h in out[i]] == sorted((float(h["score"]) for h in out[i]), reverse=True)
+        for r, o in zip(by_score(ref[i]), by_score(out[i])):
+            assert set(r) == set(o)
+            assert torch.equal(o["tokens"], r["tokens"]), "sentence {}: {} != fairseq {}".format(i, o["tokens"], r["tokens"])
+            assert abs(float(o["score"]) - float(r["score"])) <= 1e-4, (i, float(o["score"]), float(r["score"]))
+            torch.testing.assert_close(o["positional_scores"], r["positional_scores"], atol=1e-4, rtol=0)
+            assert o["attention"].numel() == 0 and o["alignment"].numel() == 0
+
+
+CAPPED = dict(max_len_a=1.2, max_len_b=10)  # fairseq's usual cap: degenerate hypotheses stop early
+OPTIONS = {
+    "beam4-defaults": dict(beam_size=4),
+    "beam5-lenpen-min-len-unkpen": dict(beam_size=5, len_penalty=0.6, min_len=6, unk_penalty=-5.0, **CAPPED),
+    "greedy": dict(beam_size=1, **CAPPED),
+    "short-max-len": dict(beam_size=3, max_len_b=4),
+    # with --unnormalized fairseq ignores --lenpen; the ls generator must too
+    "no-repeat-ngram-unnormalized-temperature": dict(beam_size=4, no_repeat_ngram_size=2, normalize_scores=False,
+                                                     temperature=0.7, len_penalty=1.5, **CAPPED),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_nbest_equals_fairseqs_sequence_generator(loaded, few, name):
+    model, task, batches = loaded
+    options = OPTIONS[name]
+    ref = translate(stock_generator(model, task, **options), model, batches)
+    out = translate(LSSequenceGenerator([model], task.target_dictionary, **options), model, batches)
+    assert_same_nbest(ref, out)
+    lengths = [len(h[0]["tokens"]) for h in out.values()]
+    if name == "short-max-len":  # sentences finished at the maximum length
+        assert max(lengths) == 5 and min(lengths) < 5
+    if name == "beam4-defaults":  # a trained model: most hypotheses end with EOS, far below the maximum length (200)
+        assert sum(length < 100 for length in lengths) >= 0.75 * len(lengths) and sum(lengths) / len(lengths) > 3
+    if name == "beam5-lenpen-min-len-unkpen":  # both options change hypotheses: none shorter, some with unk
+        unk = task.target_dictionary.unk()
+        assert min(len(h["tokens"]) for hypos in out.values() for h in hypos) >= 7
+        assert any(h["tokens"].eq(unk).any() for hypos in out.values() for h in hypos)
+    if name == "no-repeat-ngram-unnormalized-temperature":
+        for hypos in out.values():
+            for h in hypos:
+                t = h["tokens"].tolist()
+                assert len(set(zip(t, t[1:]))) == len(t) - 1, t
+        _, _, some = few
+        without = {key: value for key, value in options.items() if key != "no_repeat_ngram_size"}
+        plain = translate(stock_generator(model, task, **without), model, some)
+        assert any(not torch.equal(plain[i][0]["tokens"], out[i][0]["tokens"]) for i in plain)
+        broken = translate(stock_generator(model, task, fixed_ngram=False, **options), model, some)
+        assert all(torch.equal(plain[i][0]["tokens"], broken[i][0]["tokens"]) for i in plain), \
+            "fairseq's own CPU n-gram blocker now blocks: drop FixedNGramBlock"
+
+
+def test_prefix_equals_fairseqs_sequence_generator(loaded):
+    """--prefix-size 4: forced tokens, and targets shorter than the prefix, where it ends the sentence."""
+    model, task, batches = loaded
+    prefix_size = 4
+    ref = translate(stock_generator(model, task, beam_size=4, **CAPPED), model, batches, prefix_size)
+    out = translate(LSSequenceGenerator([model], task.target_dictionary, beam_size=4, **CAPPED), model, batches,
+                    prefix_size)
+    assert_same_nbest(ref, out)
+    targets = {i: t for b in batches for i, t in zip(b["id"].tolist(), b["target"])}
+    for i, hypos in out.items():
+        prefix = targets[i][:prefix_size]
+        prefix = prefix[prefix.ne(task.target_dictionary.pad())]
+        assert all(torch.equal(h["tokens"][: len(prefix)], prefix) for h in hypos)
+    assert any(targets[i][:prefix_size].eq(task.target_dictionary.eos()).any() for i in out)
+
+
+@pytest.mark.parametrize("sync_every,compact_fraction,capacity", [(1, 0.0, 1), (3, 0.5, 2), (1000, 0.25, 64)])
+def test_sync_points_compaction_and_cache_growth_leave_the_result(few, monkeypatch, sync_every, compact_fraction,
+                                                                   capacity):
+    """The host's reads of the done flags, dropping finished sentences from the batch and the
+    self-attention cache's growth change nothing; the host reads a value only at the sync points
+    and once for the results."""
+    model, task, batches = few
+    monkeypatch.setattr(sequence_generator, "INITIAL_CAPACITY", capacity)
+    reads = []
+    monkeypatch.setattr(sequence_generator, "host_read", lambda t: reads.append(t.numel()) or t.cpu())
+    steps = []
+    decode_step = model.decoder.decode_step
+    monkeypatch.setattr(model.decoder, "decode_step", lambda *a: steps.append(a[0].shape[0]) or decode_step(*a))
+    options = dict(beam_size=4, len_penalty=0.6, **CAPPED)
+    ref = translate(stock_generator(model, task, **options), model, batches)
+    gen = LSSequenceGenerator([model], task.target_dictionary, sync_every=sync_every, compact_fraction=compact_fraction,
+                              **options)
+    assert_same_nbest(ref, translate(gen, model, batches))
+    assert len(batches) <= len(reads) <= len(steps) // sync_every + 2 * len(batches)
+    if sync_every == 1000:  # no sync point before the maximum length: the results' read alone, the batch never shrinks
+        assert len(reads) == len(batches) and len(set(steps)) <= len(batches)
+    else:  # finished sentences left the batch
+        assert len(set(steps)) > len(batches)
+
+
+def random_pair(**overrides):
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from model_utils import build_pair
+
+    return build_pair(**overrides)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(encoder_normalize_before=True, decoder_normalize_before=True, decoder_learned_pos=True, encoder_learned_pos=True),
+    dict(share_decoder_input_output_embed=True, activation_fn="gelu", decoder_layers=1),
+])
+def test_other_architectures_equal_fairseqs_sequence_generator(variant):
+    """Random weights (hypotheses run to the maximum length mostly): pre-LN, learned positions, gelu,
+    shared output embedding, with padding in the sources."""
+    _, model, task = random_pair(**variant)
+    model.eval()
+    d = task.source_dictionary
+    g = torch.Generator().manual_seed(5)
+    src = torch.randint(d.nspecial, len(d), (7, 13), generator=g)
+    src[:, -1] = d.eos()
+    for b in range(7):
+        src[b, : 2 * b] = d.pad()
+    batch = {"id": torch.arange(7), "net_input": {"src_tokens": src, "src_lengths": src.ne(d.pad()).sum(1)}}
+    for options in (dict(beam_size=4, max_len_b=9), dict(beam_size=2, max_len_b=20, len_penalty=0.3)):
+        ref = translate(SequenceGenerator([model], d, **options), model, [batch])
+        assert_same_nbest(ref, translate(LSSequenceGenerator([model], d, **options), model, [batch]))
+
+
+def test_bad_input_gets_a_clear_error(few):
+    model, task, batches = few
+    d = task.target_dictionary
+    with pytest.raises(ValueError, match="min_len cannot be larger than max_len"):
+        LSSequenceGenerator([model], d, beam_size=2, min_len=10, max_len_b=5).generate([model], batches[0])
+    with pytest.raises(NotImplementedError, match="constraints"):
+        LSSequenceGenerator([model], d).generate([model], batches[0], constraints=torch.zeros(1, 1))
+    with pytest.raises(ValueError, match="ensemble"):
+        LSSequenceGenerator([model, model], d)
+    with pytest.raises(ValueError, match="no-repeat-ngram-size 1"):
+        LSSequenceGenerator([model], d, no_repeat_ngram_size=1)
+    with pytest.raises(ValueError, match="temperature"):
+        LSSequenceGenerator([model], d, temperature=0.0)
+
+
+def test_the_task_builds_the_ls_generator_or_falls_back_with_a_notice(loaded, caplog):
+    from argparse import Namespace
+
+    from fairseq.dataclass.configs import GenerationConfig
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf  # noqa: F401 (fairseq's configs load)
+    from omegaconf import OmegaConf
+
+    model, task, _ = loaded
+    config = OmegaConf.structured(GenerationConfig)
+    with caplog.at_level(logging.INFO, logger="ls_fairseq.generation"):
+        gen = task.build_generator([model], config, extra_gen_cls_kwargs={"lm_model": None, "lm_weight": 0.0})
+    assert isinstance(gen, LSSequenceGenerator) and gen.beam_size == 5
+    assert "beam search on the device" in caplog.text
+    stock, _, _ = random_pair()
+    cases = [
+        ([model, model], Namespace(beam=4), "an ensemble of 2 models"),
+        ([stock], Namespace(beam=4), "not ls_transformer"),
+        ([model], Namespace(beam=4, sampling=True), "--sampling True"),
+        ([model], Namespace(beam=4, diverse_beam_groups=2), "--diverse-beam-groups 2"),
+        ([model], Namespace(beam=4, match_source_len=True), "--match-source-len True"),
+        ([model], Namespace(beam=4, constraints="ordered"), "--constraints ordered"),
+        ([model], Namespace(beam=4, print_alignment="hard"), "--print-alignment hard"),
+        ([model], Namespace(beam=4, no_repeat_ngram_size=1), "--no-repeat-ngram-size 1"),
+    ]
+    for models, args, reason in cases:
+        assert reason in unsupported(models, args, task.target_dictionary)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ls_fairseq.generation"):
+            gen = task.build_generator(models, args)
+        assert not isinstance(gen, LSSequenceGenerator)
+        assert "fairseq's generator (" in caplog.text and reason in caplog.text
+    assert "language model" in unsupported([model], Namespace(beam=4), task.target_dictionary,
+                                            extra_gen_cls_kwargs={"lm_model": model, "lm_weight": 0.5})
+    assert "prefix_allowed_tokens_fn" in unsupported([model], Namespace(beam=4), task.target_dictionary,
+                                                     prefix_allowed_tokens_fn=lambda b, t: [])
+    from fairseq.tasks.translation import TranslationTask
+
+    wrapper = TranslationTask.build_generator
+    ls_fairseq.generation.install()  # importing the plugin again wraps nothing twice
+    assert TranslationTask.build_generator is wrapper and wrapper.ls_fairseq_wrapped
+
+
+# beam_select against torch.topk
+
+
+def sort_reference(scores, k):
+    """The k largest by a stable descending sort: equal values in index order."""
+    values, indices = torch.sort(scores.float(), dim=1, descending=True, stable=True)
+    return values[:, :k], indices[:, :k]
+
+
+@pytest.mark.parametrize("rows,entries,k,groups", [(1, 1, 1, 32), (3, 7, 2, 32), (5, 1000, 8, 32), (4, 4 * 611, 8, 7),
+                                                   (2, 33, 33, 4), (6, 130, 10, 130)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "inf"])
+def test_beam_select_equals_topk(rows, entries, k, groups, kind):
+    x = torch.randn(rows, entries)
+    if kind == "ties":  # few distinct values, +0.0 and -0.0 among them
+        x = torch.randint(-3, 3, (rows, entries)).float() / 2
+        x[x.eq(0) & torch.rand_like(x).lt(0.5)] = -0.0
+    if kind == "inf":  # -inf everywhere but a few entries (fewer finite ones than k in some rows)
+        x = torch.where(torch.rand_like(x) < 0.9, torch.tensor(-math.inf), x)
+        x[0] = -math.inf
+    values, indices = beam_select(x, k, groups)
+    ref_values, ref_indices = sort_reference(x, k)
+    assert indices.dtype == torch.int64 and values.dtype == x.dtype
+    assert torch.equal(values, torch.topk(x, k, dim=1).values)
+    assert torch.equal(values, ref_values)
+    assert torch.equal(indices, ref_indices)
+    assert torch.equal(x.gather(1, indices), values)
+    # the HARS threshold: never above the k-th largest, and at least k candidates reach it
+    keys = order_keys(x)
+    threshold = group_threshold(keys, k, max(min(groups, entries), k))
+    kth = keys.topk(k, dim=1).values[:, -1:]
+    assert (threshold <= kth).all() and (keys >= threshold).sum(1).ge(k).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_beam_select_half_precision(dtype):
+    x = (torch.randn(4, 300) * 4).to(dtype)
+    values, indices = beam_select(x, 9)
+    ref_values, ref_indices = sort_reference(x, 9)
+    assert values.dtype == dtype and torch.equal(values.float(), ref_values) and torch.equal(indices, ref_indices)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows,entries,k,groups", [(1, 1, 1, 32), (3, 7, 2, 32), (5, 4 * 32003, 8, 32),
+                                                   (128, 5 * 611, 10, 32), (2, 33, 33, 4), (6, 3000, 64, 1024)])
+@pytest.mark.parametrize("kind", ["normal", "ties", "inf", "constant"])
+def test_beam_select_kernel_equals_the_reference(dtype, rows, entries, k, groups, kind):
+    """The HARS kernel against the reference and a stable sort: the same values and indices, ties in
+    index order; "constant" rows put every entry of the first k runs above the threshold, more than
+    the kernel's candidate buffer at 128,012 entries (its k-pass path)."""
+    from helpers import kernel
+
+    x = torch.randn(rows, entries, device="cuda")
+    if kind == "ties":
+        x = torch.randint(-3, 3, (rows, entries), device="cuda").float() / 2
+        x[x.eq(0) & torch.rand_like(x).lt(0.5)] = -0.0
+    if kind == "inf":
+        x = torch.where(torch.rand_like(x) < 0.9, torch.tensor(-math.inf, device="cuda"), x)
+        x[0] = -math.inf
+    if kind == "constant":
+        x = torch.full((rows, entries), -1.25, device="cuda")
+    x = x.to(dtype)
+    kernel("beam_select", x)
+    values, indices = beam_select(x, k, groups)
+    ref_values, ref_indices = beam_select_reference(x, k, groups)
+    assert values.dtype == dtype and indices.dtype == torch.int64
+    assert torch.equal(indices, ref_indices) and torch.equal(values, ref_values)
+    sorted_values, sorted_indices = sort_reference(x, k)
+    assert torch.equal(indices, sorted_indices.to(indices.device)) and torch.equal(values.float(), sorted_values)
+
+
+def test_beam_select_rejects_bad_input():
+    with pytest.raises(ValueError, match="k = 5"):
+        beam_select(torch.zeros(2, 4), 5)
+    with pytest.raises(ValueError, match="rows, entries"):
+        beam_select(torch.zeros(4), 1)
+    with pytest.raises(ValueError, match="float64"):
+        beam_select(torch.zeros(2, 4, dtype=torch.float64), 1)
+
+
+# fairseq-generate and fairseq-interactive through the plugin
+
+
+def hypotheses(output):
+    """{id: (hypothesis, score)} from H- lines."""
+    found = {}
+    for line in output.splitlines():
+        if line.startswith("H-"):
+            i, score, text = line[2:].split("\t")
+            found.setdefault(int(i), []).append((text, float(score)))
+    return found
+
+
+def assert_same_output(ls, stock):
+    assert sorted(ls) == sorted(stock) and ls
+    for i in stock:
+        assert [t for t, _ in ls[i]] == [t for t, _ in stock[i]], i
+        assert all(abs(a - b) <= 1e-4 for (_, a), (_, b) in zip(ls[i], stock[i])), (ls[i], stock[i])
+
+
+@pytest.fixture(scope="session")
+def stock_checkpoint(trained, tmp_path_factory):
+    path = tmp_path_factory.mktemp("generate_stock") / "stock.pt"
+    proc = run([bin_path("python"), "-m", "ls_fairseq.convert", "to-fairseq", str(trained), str(path)])
+    assert proc.returncode == 0, proc.stderr
+    return path
+
+
+@pytest.mark.slow
+def test_fairseq_generate_runs_the_ls_generator_and_equals_stock(data_bin, trained, stock_checkpoint):
+    args = ["--cpu", "--gen-subset", "test", "--beam", "4", "--nbest", "2", "--lenpen", "0.6", "--max-len-b", "30",
+            "--batch-size", "64",
+            "--remove-bpe", "sentencepiece"]
+    ls = run([bin_path("fairseq-generate"), str(data_bin / "data-bin"), "--user-dir", USER_DIR, "--path", str(trained)]
+             + args)
+    assert ls.returncode == 0, ls.stderr[-3000:]
+    assert "ls_fairseq: beam search on the device" in ls.stdout + ls.stderr
+    stock = run([bin_path("fairseq-generate"), str(data_bin / "data-bin"), "--path", str(stock_checkpoint)] + args)
+    assert stock.returncode == 0, stock.stderr[-3000:]
+    found = hypotheses(ls.stdout)
+    assert len(found) == 200 and all(len(h) == 2 for h in found.values())
+    assert_same_output(found, hypotheses(stock.stdout))
+    assert re.search(r"BLEU4? = \d+\.\d+", ls.stdout + ls.stderr)
+
+    unknown = run([bin_path("fairseq-generate"), str(data_bin / "data-bin"), "--user-dir", USER_DIR, "--path",
+                   str(trained), "--no-such-option", "3"] + args)
+    assert unknown.returncode != 0 and "unrecognized arguments: --no-such-option" in unknown.stderr
+
+
+@pytest.mark.slow
+def test_fairseq_interactive_runs_the_ls_generator_and_equals_stock(data_bin, trained, stock_checkpoint):
+    lines = (data_bin / "spm_text" / "test.en").read_text(encoding="utf-8").splitlines()[:20]
+    text = "\n".join(lines[:10] + [""] + lines[10:]) + "\n"  # an empty line among them
+    args = ["--cpu", "--beam", "4", "--max-len-b", "30", "--source-lang", "en", "--target-lang", "de", "--buffer-size", "8",
+            "--batch-size", "8", "--remove-bpe", "sentencepiece"]
+    ls = run([bin_path("fairseq-interactive"), str(data_bin / "data-bin"), "--user-dir", USER_DIR, "--path",
+              str(trained)] + args, input=text)
+    assert ls.returncode == 0, ls.stderr[-3000:]
+    assert "ls_fairseq: beam search on the device" in ls.stdout + ls.stderr
+    stock = run([bin_path("fairseq-interactive"), str(data_bin / "data-bin"), "--path", str(stock_checkpoint)] + args,
+                input=text)
+    assert stock.returncode == 0, stock.stderr[-3000:]
+    found = hypotheses(ls.stdout)
+    assert len(found) == 21
+    assert_same_output(found, hypotheses(stock.stdout))
+
+    # a sentence longer than the model's positions: fairseq's error, naming the option that skips it
+    long = " ".join(["▁the"] * 1100) + "\n"
+    proc = run([bin_path("fairseq-interactive"), str(data_bin / "data-bin"), "--user-dir", USER_DIR, "--path",
+                str(trained)] + args, input=long)
+    assert proc.returncode != 0 and "skip-invalid-size-inputs-valid-test" in proc.stdout + proc.stderr
+    proc = run([bin_path("fairseq-interactive"), str(data_bin / "data-bin"), "--user-dir", USER_DIR, "--path",
+                str(trained), "--skip-invalid-size-inputs-valid-test"] + args, input=long + text)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_output(hypotheses(proc.stdout), {i + 1: h for i, h in hypotheses(stock.stdout).items()})
+
+
+@pytest.mark.slow
+def test_bench_generate_smoke(data_bin, trained, tmp_path):
+    """scripts/bench_generate.py on the CPU with the trained tiny model: every system and point, the
+    ls generator's hypotheses (BLEU) those of fairseq's on the same model, a table and a plot."""
+    import json
+    import sys
+
+    proc = run([sys.executable, "scripts/bench_generate.py", "--out", str(tmp_path), "--smoke", "--cpu", "--fairseq-on-ls",
+                "--data-bin", str(data_bin / "data-bin"), "--checkpoint", "tiny={}".format(trained)],
+               cwd=USER_DIR.rsplit("/", 1)[0])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert {(r["system"], r["beam"], r["batch"]) for r in rows} == {
+        (s, beam, 8) for s in ("stock-fp32", "ls-fp32", "fairseq-on-ls-fp32") for beam in (4, 1)}
+    by = {(r["system"], r["beam"]): r for r in rows}
+    for beam in (4, 1):
+        assert by[("stock-fp32", beam)]["speedup"] == 1.0 and by[("ls-fp32", beam)]["sentences"] == 24
+        assert by[("ls-fp32", beam)]["bleu"] == by[("fairseq-on-ls-fp32", beam)]["bleu"]
+        assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert "| tiny | 4 | 8 |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "speedup.png").is_file() or "no matplotlib" in proc.stderr
+
+
+# on the GPU (run on an H200)
+
+
+def bleu(hypos, task, batches):
+    import sacrebleu
+
+    d = task.target_dictionary
+    refs = {i: d.string(t[t.ne(d.pad())], "sentencepiece") for b in batches for i, t in zip(b["id"].tolist(), b["target"])}
+    ids = sorted(refs)
+    return sacrebleu.corpus_bleu([d.string(hypos[i][0]["tokens"].cpu(), "sentencepiece") for i in ids],
+                                 [[refs[i] for i in ids]]).score
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_generation_runs_the_kernels(few, monkeypatch, dtype):
+    """On the GPU in fp16/bf16 every op the generator's steps call takes its kernel path: the
+    candidate selection is the beam_select kernel, every step."""
+    from ls_fairseq.ops import dispatch
+
+    model, task, batches = few
+    picked = []  # (op, whether it took its kernel) of every Route decision
+    pick = dispatch.Route.pick
+
+    def recorded(route, tensor):
+        found = pick(route, tensor)
+        picked.append((route.op, route.kernel is not None and found is route.kernel))
+        return found
+
+    monkeypatch.setattr(dispatch.Route, "pick", recorded)
+    steps = []
+    model = model.cuda().to(dtype)
+    decode_step = model.decoder.decode_step
+    monkeypatch.setattr(model.decoder, "decode_step", lambda *a: steps.append(1) or decode_step(*a))
+    try:
+        out = translate(LSSequenceGenerator([model], task.target_dictionary, beam_size=4, len_penalty=0.6), model,
+                        batches, device="cuda")
+    finally:
+        model.float().cpu()
+    assert len(out) == 40 and all(out.values())
+    assert steps and all(kernel for _, kernel in picked), sorted({op for op, kernel in picked if not kernel})
+    ops_run = [op for op, _ in picked]
+    assert ops_run.count("beam_select") == len(steps)
+    assert {"embedding", "attention"} <= set(ops_run), set(ops_run)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_nbest_equals_fairseqs_sequence_generator(loaded):
+    """fp32 on the GPU: the same n-best lists but for near-ties, which other kernels' rounding can order
+    differently (at most 2 of 200 sentences, and then the best scores within 1e-4)."""
+    model, task, batches = loaded
+    model = model.cuda()
+    try:
+        options = dict(beam_size=4, len_penalty=0.6)
+        ref = translate(stock_generator(model, task, **options), model, batches, device="cuda")
+        out = translate(LSSequenceGenerator([model], task.target_dictionary, **options), model, batches, device="cuda")
+        differ = [i for i in ref if [h["tokens"].tolist() for h in ref[i]] != [h["tokens"].tolist() for h in out[i]]]
+        assert len(differ) <= 2, differ
+        for i in differ:
+            assert abs(float(ref[i][0]["score"]) - float(out[i][0]["score"])) <= 1e-4
+        assert_same_nbest({i: ref[i] for i in ref if i not in differ}, {i: out[i] for i in ref if i not in differ})
+    finally:
+        model.cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_half_precision_bleu_within_a_tenth_of_fairseqs(loaded, dtype):
+    model, task, batches = loaded
+    model = model.cuda().to(dtype)
+    try:
+        options = dict(beam_size=4, len_penalty=0.6)
+        ref = translate(stock_generator(model, task, **options), model, batches, device="cuda")
+        out = translate(LSSequenceGenerator([model], task.target_dictionary, **options), model, batches, device="cuda")
+        assert abs(bleu(out, task, batches) - bleu(ref, task, batches)) <= 0.1
+    finally:
+        model.float().cpu()
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_synchronisation_inside_the_decoding_steps(loaded, monkeypatch):
+    """CUDA's sync debug mode raises at any synchronising call from the first decoding step on, but
+    at the generator's sync points."""
+    model, task, batches = loaded
+    model = model.cuda()
+    decode_step = model.decoder.decode_step
+
+    def strict_step(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        return decode_step(*args)
+
+    def read(t):
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return t.cpu()
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(model.decoder, "decode_step", strict_step)
+    monkeypatch.setattr(sequence_generator, "host_read", read)
+    try:
+        gen = LSSequenceGenerator([model], task.target_dictionary, beam_size=4, sync_every=8)
+        batch = {k: v.cuda() if torch.is_tensor(v) else {n: t.cuda() for n, t in v.items()} if isinstance(v, dict) else v
+                 for k, v in batches[1].items()}
+        hypos = gen.generate([model], batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        model.cpu()
+    assert len(hypos) == len(batch["id"]) and all(hypos)
