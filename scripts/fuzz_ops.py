@@ -40,6 +40,7 @@ from helpers import kernel_error, poison, rel_error  # noqa: E402 (the tests' ru
 from ls_fairseq import ops  # noqa: E402
 from ls_fairseq.ops import adam as adam_op  # noqa: E402
 from ls_fairseq.ops import dispatch  # noqa: E402
+from ls_fairseq.ops.beam_select import beam_select, beam_select_reference  # noqa: E402
 from ls_fairseq.ops.attention import ATTENTION_ROUTE, attention_reference  # noqa: E402
 from ls_fairseq.ops.bias_act_dropout import BIAS_ACT_DROPOUT_ROUTE, bias_act_dropout_forward_reference  # noqa: E402
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout_backward_reference  # noqa: E402
@@ -572,6 +573,29 @@ def case_adam(c):
             c.relative(name, state[slot], ref_state[slot], 1e-5)
 
 
+def case_beam_select(c):
+    """beam_select against its reference, exactly (values and indices), and torch.topk's values."""
+    dtype = c.dtype()
+    k = c.dim(16, (4, 5, 8, 10))
+    M = max(k, c.dim(200000, (4 * 32000, 5 * 32000, 32000, 4 * 8000)))
+    R = c.rows_for(M, 256)
+    groups = c.pick("groups", (1, 8, 32, 128))
+    values = c.pick("values", ("distinct", "ties", "some -inf"))
+    off = c.offset()
+    c.params.update(R=R, M=M, k=k)
+    scores = c.tensor((R, M), dtype, 4.0, -10.0, off)
+    if values == "ties":  # few distinct values: the order among equal ones decides
+        scores = (scores * 2).round() / 2
+    elif values == "some -inf":
+        scores = scores.masked_fill(torch.rand(R, M, device=c.device) < 0.5, float("-inf"))
+    fill_free_memory(c)
+    got_v, got_i = beam_select(scores, k, groups)
+    ref_v, ref_i = beam_select_reference(scores, k, groups)
+    c.equal("values", got_v, ref_v)
+    c.equal("indices", got_i, ref_i)
+    c.equal("values_as_topk", got_v, scores.topk(k, dim=1).values)
+
+
 CASES = {
     "embedding": case_embedding,
     "qkv": case_qkv,
@@ -583,6 +607,7 @@ CASES = {
     "layer_norm": case_layer_norm,
     "cross_entropy": case_cross_entropy,
     "adam": case_adam,
+    "beam_select": case_beam_select,
 }
 assert tuple(CASES) == dispatch.OPS, "fuzz every op of dispatch.OPS, in its order"
 
