@@ -315,6 +315,33 @@ def bench_linear(dtype):
                 fwd_bw_pct=None, kernels="{:.0f} / {:.0f}".format(st_k, ls_k))  # GEMMs: compute-bound
 
 
+
+def bench_decode_attention(dtype, copy_bw, hypotheses=512, length=100, layers=6):
+    """One decoding step's self-attention of one layer in a transformer-big beam search (128 sentences x
+    beam 4, the step at position ``length``): fairseq's way, the reorder of the layer's keys and values
+    into the new beam order (an index_select of the cache) and then attention over them, against
+    decode_attention over the cache as written, through a table of slot numbers."""
+    from ls_fairseq.ops.decode_attention import decode_attention
+
+    D, s = HIDDEN // HEADS, torch.finfo(dtype).bits // 8
+    cache = rand(length, 2 * layers, hypotheses, HEADS, D, dtype=dtype)
+    q = rand(hypotheses, HEADS, 1, D, dtype=dtype) * D**-0.5
+    order = torch.randint(0, hypotheses, (hypotheses,), device="cuda")
+    origin = torch.randint(0, hypotheses, (hypotheses, length), dtype=torch.int32, device="cuda")
+    keys = cache[:, :2].permute(2, 0, 1, 3, 4)  # [hypotheses, length, 2, heads, D]: fairseq's per-layer cache
+
+    def stock(_):
+        k, v = keys.index_select(0, order).unbind(2)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale=1.0)
+
+    stock_ms, stock_k = kernel_ms(stock, [None])
+    ls_ms, ls_k = kernel_ms(lambda _: decode_attention(q, cache, 0, origin, length), [None])
+    bytes_ = 2 * hypotheses * length * HEADS * D * s
+    return dict(op="decode_attention (reorder + attention)", stock_fwd_ms=stock_ms, ls_fwd_ms=ls_ms,
+                fwd_speedup=stock_ms / ls_ms, fwd_bw_pct=100 * bytes_ / ls_ms / 1e6 / copy_bw,
+                kernels="{:.0f} / {:.0f}".format(stock_k, ls_k))
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
@@ -332,6 +359,7 @@ def main():
     results.append(bench_linear(dtype))
     results.append(bench_adam(dtype, copy_bw))
     results.append(bench_grad_norm(dtype, copy_bw))
+    results.append(bench_decode_attention(dtype, copy_bw))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(dtype=args.dtype, dropout=args.dropout, copy_gbps=copy_bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)

@@ -41,6 +41,7 @@ from ls_fairseq import ops  # noqa: E402
 from ls_fairseq.ops import adam as adam_op  # noqa: E402
 from ls_fairseq.ops import dispatch  # noqa: E402
 from ls_fairseq.ops.beam_select import beam_select, beam_select_reference  # noqa: E402
+from ls_fairseq.ops.decode_attention import decode_attention, decode_attention_reference, gather_history  # noqa: E402
 from ls_fairseq.ops.attention import ATTENTION_ROUTE, attention_reference  # noqa: E402
 from ls_fairseq.ops.bias_act_dropout import BIAS_ACT_DROPOUT_ROUTE, bias_act_dropout_forward_reference  # noqa: E402
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout_backward_reference  # noqa: E402
@@ -596,6 +597,30 @@ def case_beam_select(c):
     c.equal("values_as_topk", got_v, scores.topk(k, dim=1).values)
 
 
+
+def case_decode_attention(c):
+    """decode_attention over a cache read through a random origin table (positions from random slots,
+    more rows and slots than hypotheses), q as split_heads leaves it; lengths past one 1,024 chunk."""
+    dtype = c.dtype()
+    D = c.pick("D", (32, 64, 128, 256))
+    H = c.dim(16, (4, 8, 16))
+    T = c.dim(2048, (1, 30, 200, 1024, 1025))
+    layers = c.dim(6, (1, 6))
+    layer = c.rng.randrange(layers)
+    N = c.rows_for(2 * T * H * D, 512)
+    slots = N + c.dim(8)
+    c.params.update(N=N, H=H, T=T, layers=layers, layer=layer, slots=slots)
+    q = c.tensor((3, N, 1, H, D), dtype, D**-0.5)[0].transpose(1, 2)
+    cache = c.tensor((T + 2, 2 * layers, slots, H, D), dtype)
+    origin = torch.randint(0, slots, (N + c.dim(3) - 1, T + c.dim(4) - 1), dtype=torch.int32, device=c.device)
+    fill_free_memory(c)
+    out = decode_attention(q, cache, layer, origin, T)
+    ref64 = decode_attention_reference(q.double(), cache.double(), layer, origin, T)
+    keys, values = gather_history(cache, layer, origin[:N], T)
+    low = torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=1.0) if c.device != "cpu" else \
+        decode_attention_reference(q, cache, layer, origin, T)
+    c.kernel("out", out, ref64, low)
+
 CASES = {
     "embedding": case_embedding,
     "qkv": case_qkv,
@@ -608,6 +633,7 @@ CASES = {
     "cross_entropy": case_cross_entropy,
     "adam": case_adam,
     "beam_select": case_beam_select,
+    "decode_attention": case_decode_attention,
 }
 assert tuple(CASES) == dispatch.OPS, "fuzz every op of dispatch.OPS, in its order"
 

@@ -706,6 +706,43 @@ std::tuple<Tensor, Tensor> beam_select(const Tensor& scores, int64_t k, int64_t 
   return {values, indices};
 }
 
+// ---- decode_attention ----
+// q [N, heads, 1, d_head] (rows of heads x d_head contiguous), cache [capacity, 2 x layers, slots, heads,
+// d_head] contiguous, origin int32 [>= N, >= length] with unit stride along positions -> [N, heads, 1, d_head]
+Tensor decode_attention(const Tensor& q, const Tensor& cache, int64_t layer, const Tensor& origin, int64_t length) {
+  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor, got one on ", q.device());
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "decode_attention: q must be [hypotheses, heads, 1, d_head], got ",
+              q.sizes());
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(3);
+  TORCH_CHECK(q.stride(3) == 1 && q.stride(1) == D, "decode_attention: q's heads x d_head must be contiguous");
+  TORCH_CHECK((q.stride(0) * q.element_size()) % 16 == 0 && reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0,
+              "decode_attention: q's rows must be 16-byte aligned");
+  check_like(cache, q, "cache", "q");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(3) == H && cache.size(4) == D,
+              "decode_attention: cache must be [capacity, 2 x layers, slots, ", H, ", ", D, "], got ", cache.sizes());
+  TORCH_CHECK(0 <= layer && 2 * layer + 1 < cache.size(1), "decode_attention: layer ", layer, " outside the cache's ",
+              cache.size(1) / 2);
+  TORCH_CHECK(1 <= length && length <= cache.size(0), "decode_attention: length ", length, " must be within 1..",
+              cache.size(0));
+  TORCH_CHECK(ls::decode_attention_supports(int(D)), "decode_attention: d_head ", D, " is not 32, 64, 128 or 256");
+  TORCH_CHECK(origin.is_cuda() && origin.device() == q.device(), "origin must be on ", q.device());
+  TORCH_CHECK(origin.scalar_type() == at::kInt, "origin must be int32, got ", origin.scalar_type());
+  TORCH_CHECK(origin.dim() == 2 && origin.size(0) >= N && origin.size(1) >= length && origin.stride(1) == 1,
+              "decode_attention: origin must be [>= ", N, ", >= ", length, "] with unit stride along positions, got ",
+              origin.sizes());
+  TORCH_CHECK(cache.size(0) * cache.stride(0) < (int64_t(1) << 62), "decode_attention: cache too large");
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto out = torch::empty({N, H, 1, D}, q.options());
+  const char* base = static_cast<const char*>(cache.data_ptr());
+  const int64_t layer_bytes = cache.stride(1) * cache.element_size();
+  ls::decode_attention(dtype_of(q, "q"), q.data_ptr(), q.stride(0), base + 2 * layer * layer_bytes,
+                       base + (2 * layer + 1) * layer_bytes, cache.stride(0), cache.stride(2),
+                       origin.data_ptr<int>(), origin.stride(0), N, int(H), int(D), int(length), out.data_ptr(),
+                       stream());
+  CHECK_CUDA_OK();
+  return out;
+}
+
 // ---- adam ----
 void check_f32_like(const Tensor& t, const Tensor& param, const char* name) {
   check(t, name);
@@ -830,6 +867,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_backward", &cross_entropy_backward);
   m.attr("beam_select_max_groups") = ls::kBeamSelectMaxGroups;
   m.def("beam_select", &beam_select);
+  m.def("decode_attention", &decode_attention);
   m.def("adam_step", &adam_step);
   m.def("grad_norm", &grad_norm);
   m.def("scaled_grad_norm", &scaled_grad_norm);

@@ -40,6 +40,7 @@ OPS = (
     "cross_entropy",
     "adam",
     "beam_select",
+    "decode_attention",
 )
 
 

@@ -1,0 +1,64 @@
+"""One decoding step's self-attention over a key/value cache that beam search never reorders.
+
+decode_attention(q, cache, layer, origin, length) -> [N, heads, 1, d_head]:
+- q [N, heads, 1, d_head], already scaled: the query of each of N hypotheses at this step;
+- cache [capacity, 2 x layers, slots, heads, d_head]: at position p and slot s, the keys (2 x layer)
+  and values (2 x layer + 1) that the hypothesis in slot s at step p wrote;
+- origin int32 [>= N, >= length]: hypothesis n's position p is in slot origin[n, p].
+Each hypothesis attends to its positions 0..length-1 through its own row of ``origin``.
+
+Beam search reorders hypotheses at every step. Copying the cache into the new order (fairseq's
+reorder_incremental_state, an index_select of every layer's keys and values) moves the whole
+cache once a step, which made beam search on a GPU spend a quarter of its time in that copy at 128
+sentences. Here the step copies ``origin`` instead (4 bytes a position, not 4 x layers x width),
+and the kernel (csrc/decode_attention.cu) gathers each hypothesis's keys and values as it reads
+them. The reference gathers them with indexing and calls ``ops.attention``.
+"""
+import torch
+
+from ls_fairseq.ops import dispatch
+from ls_fairseq.ops.attention import attention
+from ls_fairseq.ops.dispatch import _C
+
+
+def gather_history(cache, layer, origin, length):
+    """(keys, values) [N, heads, length, d_head] of each hypothesis, gathered through ``origin``."""
+    N = origin.shape[0]
+    slots = origin[:, :length].long()
+    positions = torch.arange(length, device=cache.device).expand(N, length)
+    keys = cache[positions, 2 * layer, slots].permute(0, 2, 1, 3)
+    values = cache[positions, 2 * layer + 1, slots].permute(0, 2, 1, 3)
+    return keys, values
+
+
+def decode_attention_reference(q, cache, layer, origin, length):
+    keys, values = gather_history(cache, layer, origin[: q.shape[0]], length)
+    return attention(q, keys, values, None, 0.0, False)
+
+
+DECODE_ATTENTION_ROUTE = dispatch.Route(
+    "decode_attention",
+    kernel=_C.decode_attention if _C else None,
+    reference=decode_attention_reference,
+)
+
+HEAD_DIMS = (32, 64, 128, 256)  # the kernel's; others take the reference
+
+
+def decode_attention(q, cache, layer, origin, length):
+    """See the module docstring."""
+    if q.dim() != 4 or q.shape[2] != 1 or cache.dim() != 5 or cache.shape[3:] != q.shape[1:2] + q.shape[3:]:
+        raise ValueError("decode_attention: q {} must be [hypotheses, heads, 1, d_head] and cache {} [capacity, "
+                         "2 x layers, slots, heads, d_head]".format(tuple(q.shape), tuple(cache.shape)))
+    if not 0 <= layer < cache.shape[1] // 2 or not 1 <= length <= cache.shape[0]:
+        raise ValueError("decode_attention: layer {} of {}, length {} of a capacity of {}".format(
+            layer, cache.shape[1] // 2, length, cache.shape[0]))
+    if origin.dtype != torch.int32 or origin.dim() != 2 or origin.shape[0] < q.shape[0] or origin.shape[1] < length:
+        raise ValueError("decode_attention: origin {} {} must be int32 [>= {}, >= {}]".format(
+            origin.dtype, tuple(origin.shape), q.shape[0], length))
+    run = DECODE_ATTENTION_ROUTE.pick(q)
+    if run is not decode_attention_reference and (q.shape[3] not in HEAD_DIMS or q.stride(3) != 1
+                                                  or q.stride(1) != q.shape[3] or q.stride(0) % 8 != 0
+                                                  or q.data_ptr() % 16 != 0):
+        run = decode_attention_reference
+    return run(q, cache, layer, origin, length)

@@ -1,0 +1,88 @@
+import pytest
+import torch
+from helpers import check_kernel, kernel, poison
+
+from ls_fairseq.ops.decode_attention import DECODE_ATTENTION_ROUTE, decode_attention, decode_attention_reference
+
+
+def inputs(N, H, D, layers, length, capacity, dtype=torch.float32, device="cpu", slots=None):
+    """q [N, H, 1, D] as split_heads leaves it (a view of [3, N, 1, H, D]), a cache of random keys and
+    values, and an origin table whose positions come from random slots (and garbage past ``length``)."""
+    slots = slots or N + 3
+    q = torch.randn(3, N, 1, H, D, dtype=dtype, device=device)[0].permute(0, 2, 1, 3) * D**-0.5
+    cache = torch.randn(capacity, 2 * layers, slots, H, D, dtype=dtype, device=device)
+    origin = torch.randint(0, slots, (N, capacity), dtype=torch.int32, device=device)
+    return q, cache, origin
+
+
+def independent(q, cache, layer, origin, length):
+    """fp64, one hypothesis and head at a time: the keys and values picked position by position."""
+    N, H, _, D = q.shape
+    out = torch.empty(N, H, 1, D, dtype=torch.float64)
+    c = cache.double().cpu()
+    for n in range(N):
+        slots = origin[n, :length].long().cpu()
+        keys = torch.stack([c[p, 2 * layer, slots[p]] for p in range(length)])  # [T, H, D]
+        values = torch.stack([c[p, 2 * layer + 1, slots[p]] for p in range(length)])
+        for h in range(H):
+            w = torch.softmax(keys[:, h] @ q[n, h, 0].double().cpu(), dim=0)
+            out[n, h, 0] = w @ values[:, h]
+    return out
+
+
+@pytest.mark.parametrize("N,H,D,layers,layer,length", [(1, 1, 8, 1, 0, 1), (5, 3, 16, 2, 1, 7), (4, 2, 64, 3, 2, 40),
+                                                       (3, 4, 12, 1, 0, 129)])
+def test_reference_equals_an_independent_formulation(N, H, D, layers, layer, length):
+    q, cache, origin = inputs(N, H, D, layers, length, length + 5, torch.float64)
+    out = decode_attention(q, cache, layer, origin, length)
+    torch.testing.assert_close(out, independent(q, cache, layer, origin, length), rtol=1e-10, atol=1e-10)
+
+
+def test_rejects_bad_input():
+    q, cache, origin = inputs(3, 2, 8, 2, 4, 6)
+    with pytest.raises(ValueError, match="q"):
+        decode_attention(q[:, :, 0], cache, 0, origin, 4)
+    with pytest.raises(ValueError, match="cache"):
+        decode_attention(q, cache[..., :4], 0, origin, 4)
+    with pytest.raises(ValueError, match="layer 2 of 2"):
+        decode_attention(q, cache, 2, origin, 4)
+    with pytest.raises(ValueError, match="length 7"):
+        decode_attention(q, cache, 0, origin, 7)
+    with pytest.raises(ValueError, match="int32"):
+        decode_attention(q, cache, 0, origin.long(), 4)
+    with pytest.raises(ValueError, match="origin"):
+        decode_attention(q, cache, 0, origin[:2], 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("N,H,D,length", [(1, 1, 64, 1), (7, 3, 32, 13), (13, 16, 64, 201), (5, 5, 128, 1031),
+                                          (3, 2, 256, 67), (2, 3, 64, 2500)])
+def test_kernel_against_fp64(dtype, N, H, D, length):
+    """The kernel against the fp64 formulation, by the error rule (fp32 at most 1e-5; fp16/bf16 at most
+    twice PyTorch's error in the same precision, its attention over the same gathered keys); lengths
+    past one chunk of 1,024 positions take the online softmax's rescaling."""
+    layers, layer = 3, 1
+    q, cache, origin = inputs(N, H, D, layers, length, length + 3, dtype, "cuda")
+    kernel("decode_attention", q)
+    assert DECODE_ATTENTION_ROUTE.pick(q) is not decode_attention_reference
+    poison()
+    out = decode_attention(q, cache, layer, origin, length)
+    ref64 = independent(q, cache, layer, origin, length) if N * length <= 20000 else \
+        decode_attention_reference(q.double(), cache.double(), layer, origin, length)
+    from ls_fairseq.ops.decode_attention import gather_history
+
+    keys, values = gather_history(cache, layer, origin, length)
+    lowp = torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=1.0)
+    check_kernel(out, ref64, lowp, "decode_attention {} N={} H={} D={} T={}".format(dtype, N, H, D, length))
+
+
+@pytest.mark.gpu
+def test_kernel_reads_only_the_hypotheses_rows_of_a_longer_origin():
+    """origin with more rows and positions than asked for (the generator's table after sentences left
+    the batch), and a cache with more slots than hypotheses: the same as the reference."""
+    q, cache, origin = inputs(6, 4, 64, 2, 20, 64, torch.float16, "cuda", slots=24)
+    origin = torch.cat([origin, origin[:3]])
+    out = decode_attention(q, cache, 1, origin, 20)
+    ref = decode_attention_reference(q.float(), cache.float(), 1, origin, 20)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
