@@ -577,7 +577,7 @@ def test_gpu_no_host_synchronisation_inside_the_decoding_steps(loaded, monkeypat
     try:
         gen = LSSequenceGenerator([model], task.target_dictionary, beam_size=4, sync_every=8)
         batch = {k: v.cuda() if torch.is_tensor(v) else {n: t.cuda() for n, t in v.items()} if isinstance(v, dict) else v
-                 for k, v in batches[1].items()}
+                 for k, v in batches[0].items()}
         hypos = gen.generate([model], batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -11,7 +11,8 @@ tokens, score, positional_scores, empty attention and alignment).
 
 What differs is where it runs. Every step is batched tensor ops with shapes fixed by the batch
 and the step number: the model's decode_step on preallocated caches (generation.DecoderCache:
-the encoder runs once, its keys and values for all layers once per batch), candidates from
+the encoder runs once, its keys and values for all layers once per batch; the self-attention's
+keys and values written once, a beam reorder copying a table of slot numbers), candidates from
 ops.beam_select, finished hypotheses written into per-sentence slots by scatter, the sentence's
 done flag and the stop test as tensors. Nothing in a step reads a tensor back to the host: no
 .item(), no boolean-mask indexing, no branch on a value. Every ``sync_every`` steps the host reads
@@ -44,6 +45,14 @@ INITIAL_CAPACITY = 64  # self-attention cache positions before the first doublin
 def host_read(tensor):
     """The generator's only reads of device values, at its sync points (tests count them)."""
     return tensor.cpu()
+
+
+def to_device(host_tensor, device):
+    """A small host tensor on ``device`` without waiting for the device: a copy from pageable host
+    memory is synchronous, one from pinned memory is queued on the stream."""
+    if device.type != "cuda":
+        return host_tensor.to(device)
+    return host_tensor.pin_memory().to(device, non_blocking=True)
 
 
 class LSSequenceGenerator(nn.Module):
@@ -148,7 +157,7 @@ class LSSequenceGenerator(nn.Module):
         parents, reorder = None, False
         for step in range(max_len + 1):
             if reorder:
-                cache.reorder(parents, step)
+                cache.reorder(parents)
             logits = self.model.decoder.decode_step(s.tokens[:, step : step + 1], step, cache)
             lprobs = self._log_probs(logits, step, max_len, s, prefix_tokens)
 
@@ -175,7 +184,8 @@ class LSSequenceGenerator(nn.Module):
                 if bool(done.all()):
                     break
                 if int(done.sum()) >= max(1, compact_fraction * done.numel()):
-                    keep, leave = (~done).nonzero().view(-1).to(device), done.nonzero().view(-1).to(device)
+                    keep = to_device((~done).nonzero().view(-1), device)
+                    leave = to_device(done.nonzero().view(-1), device)
                     parents = parents.view(-1, k)[keep].view(-1)
                     s = s.keep(keep, leave)
                     cache.keep_sentences(keep)

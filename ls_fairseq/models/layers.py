@@ -165,8 +165,7 @@ class DecoderLayer(_Layer):
         h, residual, _ = self._block_input(x, self.self_attn_layer_norm)
         q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight), attn.qkv_proj.bias, attn.num_heads, 3,
                                   attn.scaling, token_major=True)
-        k, v = cache.append(index, step, k, v)
-        ctx = ops.attention(q, k, v, None, 0.0, False)
+        ctx = cache.attend(index, step, q, k, v)
         x = self._block_output(ops.linear(ctx, attn.out_proj.weight, heads=True), attn.out_proj.bias, x,
                                self.self_attn_layer_norm, residual)
         attn = self.encoder_attn

@@ -274,6 +274,7 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
         incremental path of ``forward`` (positions padding_idx + 1 + step, as make_positions gives a
         hypothesis, which holds no padding)."""
         position = self.padding_idx + 1 + step
+        cache.begin_step(step)
         x = self._embed(tokens, torch.full_like(tokens, position), position)
         for i, layer in enumerate(self.layers):
             x = layer.forward_step(x, step, cache, i)

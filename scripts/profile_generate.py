@@ -1,0 +1,85 @@
+"""Where the time of ls_fairseq's beam search goes: one batch under torch.profiler.
+
+Loads an ls checkpoint and its data-bin (as scripts/bench_generate.py leaves them), translates the
+test set's first length-sorted batch of --batch-size sentences with LSSequenceGenerator, and prints
+the wall time per decoding step, the GPU's busy time per step (the sum of kernel times), the number
+of kernel launches per step, and the kernels that take the most GPU time. A GPU busy far below
+the wall time means the host (Python and launches) sets the pace.
+
+  python scripts/profile_generate.py --data-bin D --checkpoint CKPT --beam 4 --batch-size 128
+"""
+import argparse
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data-bin", required=True)
+    parser.add_argument("--checkpoint", required=True, help="an ls_transformer checkpoint")
+    parser.add_argument("--beam", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--top", type=int, default=20, help="kernels listed")
+    args = parser.parse_args(argv)
+
+    import torch
+    from fairseq import checkpoint_utils
+    from torch.profiler import ProfilerActivity, profile
+
+    import ls_fairseq  # noqa: F401 (the plugin)
+    from ls_fairseq.generation import LSSequenceGenerator
+
+    if not torch.cuda.is_available():
+        sys.exit("profile_generate: needs a GPU")
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task([args.checkpoint],
+                                                                     arg_overrides={"data": args.data_bin})
+    model = models[0].to(device="cuda", dtype=getattr(torch, args.dtype)).eval()
+    task.load_dataset("test")
+    dataset = task.dataset("test")
+    order = dataset.ordered_indices()
+    group = dataset.batch_by_size(order, max_sentences=args.batch_size)[len(order) // args.batch_size // 2]
+    sample = dataset.collater([dataset[i] for i in group])
+    sample = {k: (v.cuda() if torch.is_tensor(v) else {n: t.cuda() for n, t in v.items()} if isinstance(v, dict) else v)
+              for k, v in sample.items()}
+    generator = LSSequenceGenerator([model], task.target_dictionary, beam_size=args.beam, len_penalty=0.6)
+    steps = []
+    decode_step = model.decoder.decode_step
+
+    def counted(tokens, step, cache):
+        steps.append(step)
+        return decode_step(tokens, step, cache)
+
+    model.decoder.decode_step = counted
+    for _ in range(2):
+        generator.generate([model], sample)
+    torch.cuda.synchronize()
+    steps.clear()
+    start = time.perf_counter()
+    generator.generate([model], sample)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    n = len(steps)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        generator.generate([model], sample)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
+    kernels = sorted(events, key=lambda e: -e.self_device_time_total)
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    launches = sum(e.count for e in kernels if e.self_device_time_total > 0)
+    print("profile_generate: {} sentences, beam {}, {}: {} steps, wall {:.2f} ms/step (unprofiled), GPU busy "
+          "{:.3f} ms/step, {:.0f} kernels/step".format(len(group), args.beam, args.dtype, n, 1e3 * wall / n,
+                                                       busy_us / 1e3 / n, launches / n))
+    print("| kernel | calls/step | us/step | share |")
+    print("| --- | --- | --- | --- |")
+    for e in kernels[: args.top]:
+        print("| {} | {:.1f} | {:.1f} | {:.1%} |".format(e.key[:90], e.count / n, e.self_device_time_total / n,
+                                                        e.self_device_time_total / busy_us))
+
+
+if __name__ == "__main__":
+    main()
