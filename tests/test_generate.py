@@ -206,6 +206,50 @@ def test_sync_points_compaction_and_cache_growth_leave_the_result(few, monkeypat
         assert len(set(steps)) > len(batches)
 
 
+def test_cache_gives_each_hypothesis_its_history_through_reorders_growth_and_compaction():
+    """DecoderCache against the reorder-by-copy it replaces (fairseq's: every layer's keys and values
+    index_selected into the new beam order at every step), on random beam orders, with growth past
+    the initial capacity and sentences leaving the batch: the same attention at every step, and
+    the cache rebuilt with one slot per remaining hypothesis once at most half of its slots are."""
+    from model_utils import build_pair
+
+    from ls_fairseq.generation.cache import DecoderCache
+    from ls_fairseq.ops import attention
+
+    _, model, task = build_pair(decoder_layers=2, encoder_layers=1)
+    d = task.source_dictionary
+    B, beam, steps = 6, 3, 23
+    src = torch.randint(d.nspecial, len(d), (B, 5))
+    encoder_out = model.encoder(src, torch.full((B,), 5))
+    cache = DecoderCache(model.decoder, encoder_out, beam, 4, limit=30)
+    H, D = model.decoder.layers[0].self_attn.num_heads, 32 // model.decoder.layers[0].self_attn.num_heads
+    history = [None, None]  # per layer: (keys, values) [N, H, t, D] in the hypotheses' order
+    sentences = B
+    for step in range(steps):
+        N = sentences * beam
+        if step > 0:  # each hypothesis continues one of the last step's, of a sentence still in the batch
+            parents = alive[torch.randint(0, alive.numel(), (N,))]
+            cache.reorder(parents)
+            history = [(k.index_select(0, parents), v.index_select(0, parents)) for k, v in history]
+        cache.begin_step(step)
+        for layer in range(2):
+            q, k, v = (torch.randn(N, H, 1, D) for _ in range(3))
+            out = cache.attend(layer, step, q, k, v)
+            keys, values = (k, v) if step == 0 else (torch.cat([history[layer][0], k], 2),
+                                                      torch.cat([history[layer][1], v], 2))
+            history[layer] = (keys, values)
+            torch.testing.assert_close(out, attention(q, keys, values, None, 0.0, False), rtol=1e-6, atol=1e-6)
+        alive = torch.arange(N)
+        if step in (5, 13):  # half of the sentences, then one more, leave the batch (as at a sync point)
+            keep = torch.arange(sentences)[: sentences // 2 if step == 5 else sentences - 1]
+            cache.keep_sentences(keep)
+            alive = (keep[:, None] * beam + torch.arange(beam)).view(-1)
+            sentences = keep.numel()
+        assert cache.kv.shape[0] >= step + 1 and cache.kv.shape[0] <= 30
+        assert cache.kv.shape[2] < 2 * sentences * beam or step in (5, 13)
+    assert cache.kv.shape[2] == 2 * beam and cache.kv.shape[0] == 30
+
+
 def random_pair(**overrides):
     import sys
 

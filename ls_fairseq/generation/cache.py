@@ -7,8 +7,12 @@
   hypothesis in slot n writes position p of slot n. Which slot holds each earlier position of a
   hypothesis is the int32 table ``origin`` [hypotheses, capacity]; a beam reorder copies its rows
   (as the token history is copied), not the keys and values, and ops.decode_attention reads each
-  hypothesis's keys and values through its row. The capacity doubles when a step reaches it, so
-  the output length has no cap of its own.
+  hypothesis's keys and values through its row. The capacity doubles when a step reaches it (up
+  to ``limit``, the longest output the search allows), so the output length has no cap of its own.
+  When the cache grows, or when at most half of its slots still belong to hypotheses in the batch
+  (finished sentences left it), it is rebuilt with one slot per hypothesis, each hypothesis's
+  history copied into its own slot: once per growth or compaction, not once per step, and the
+  memory of finished sentences is given back.
 """
 import torch
 
@@ -17,7 +21,7 @@ from ls_fairseq.ops.decode_attention import decode_attention
 
 
 class DecoderCache:
-    def __init__(self, decoder, encoder_out, beam_size, capacity):
+    def __init__(self, decoder, encoder_out, beam_size, capacity, limit=None):
         self.beam_size = beam_size
         self.encoder_kv = list(decoder._encoder_keys_values(encoder_out))
         padding = encoder_out["encoder_padding_mask"]
@@ -28,22 +32,34 @@ class DecoderCache:
         self.kv = self.encoder_kv[0].new_empty(capacity, len(self.encoder_kv), N, H, D)
         self.origin = torch.zeros(N, capacity, dtype=torch.int32, device=self.kv.device)
         self.slots = torch.arange(N, dtype=torch.int32, device=self.kv.device)
+        self.limit = limit
 
     def encoder(self, layer):
         """(keys, values, AttentionMask) of the encoder output for ``layer``: [sentences, heads, S, d_head]."""
         return self.encoder_kv[2 * layer], self.encoder_kv[2 * layer + 1], self.encoder_mask
 
     def begin_step(self, step):
-        """Position ``step`` of hypothesis n is written into slot n (growing the cache if it is full)."""
-        if step >= self.kv.shape[0]:
-            grown = self.kv.new_empty((2 * self.kv.shape[0],) + self.kv.shape[1:])
-            grown[: self.kv.shape[0]] = self.kv
-            self.kv = grown
-            origin = self.origin.new_zeros(self.origin.shape[0], 2 * self.origin.shape[1])
-            origin[:, : self.origin.shape[1]] = self.origin
-            self.origin = origin
-        N = self.origin.shape[0]
+        """Position ``step`` of hypothesis n is written into slot n (the cache grown if it is full, or
+        rebuilt with fewer slots if most of them belong to sentences that left the batch)."""
+        capacity, N = self.kv.shape[0], self.origin.shape[0]
+        if step >= capacity:
+            self._rebuild(step, max(step + 1, min(2 * capacity, self.limit or 2 * capacity)))
+        elif 2 * N <= self.kv.shape[2]:
+            self._rebuild(step, capacity)
         self.origin[:, step] = self.slots[:N]
+
+    def _rebuild(self, length, capacity):
+        """A cache of ``capacity`` positions and one slot per hypothesis holding positions < ``length``
+        of each hypothesis's history in its own slot (a layer's keys or values at a time, so that
+        the copy needs no more memory than one of them)."""
+        N = self.origin.shape[0]
+        kv = self.kv.new_empty((capacity, self.kv.shape[1], N) + self.kv.shape[3:])
+        positions = torch.arange(length, device=kv.device)[:, None]
+        slots = self.origin[:, :length].t().long()
+        for part in range(kv.shape[1]):
+            kv[:length, part] = self.kv[positions, part, slots]
+        self.kv = kv
+        self.origin = self.slots[:N, None].expand(N, capacity).contiguous()
 
     def attend(self, layer, step, q, k, v):
         """``layer``'s self-attention at ``step``: writes the keys and values [N, heads, 1, d_head] of

@@ -149,7 +149,7 @@ class LSSequenceGenerator(nn.Module):
             compact_fraction = 0.0 if device.type == "cpu" else 0.25
 
         encoder_out = self.model.encoder.forward_torchscript(net_input)
-        cache = DecoderCache(self.model.decoder, encoder_out, k, min(INITIAL_CAPACITY, max_len + 1))
+        cache = DecoderCache(self.model.decoder, encoder_out, k, min(INITIAL_CAPACITY, max_len + 1), max_len + 1)
         s = _State.start(B, k, max_len + 1, device, self.pad)
         s.tokens[:, 0] = self.eos if bos_token is None else bos_token
         beam_offsets = torch.arange(B, device=device)[:, None] * k
