@@ -8,6 +8,7 @@
 // probabilities are written to global memory. Positions are taken in chunks of kDecodeChunk with
 // an online softmax (running maximum and sum, rescaled per chunk), so the length has no cap.
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -129,23 +130,15 @@ void decode_attention(DType dt, const void* q, int64_t q_stride, const void* key
                       int64_t hypotheses, int heads, int head_dim, int length, void* out, cudaStream_t stream) {
   if (hypotheses == 0 || heads == 0) return;
   LS_DISPATCH(dt, {
+    const auto run = [&](auto dim) {
+      launch<T, decltype(dim)::value>(q, q_stride, keys, values, position_stride, slot_stride, origin, origin_stride,
+                                      hypotheses, heads, length, out, stream);
+    };
     switch (head_dim) {
-      case 32:
-        launch<T, 32>(q, q_stride, keys, values, position_stride, slot_stride, origin, origin_stride, hypotheses,
-                      heads, length, out, stream);
-        break;
-      case 64:
-        launch<T, 64>(q, q_stride, keys, values, position_stride, slot_stride, origin, origin_stride, hypotheses,
-                      heads, length, out, stream);
-        break;
-      case 128:
-        launch<T, 128>(q, q_stride, keys, values, position_stride, slot_stride, origin, origin_stride, hypotheses,
-                       heads, length, out, stream);
-        break;
-      case 256:
-        launch<T, 256>(q, q_stride, keys, values, position_stride, slot_stride, origin, origin_stride, hypotheses,
-                       heads, length, out, stream);
-        break;
+      case 32: run(std::integral_constant<int, 32>{}); break;
+      case 64: run(std::integral_constant<int, 64>{}); break;
+      case 128: run(std::integral_constant<int, 128>{}); break;
+      case 256: run(std::integral_constant<int, 256>{}); break;
     }
   })
 }
