@@ -38,7 +38,7 @@ else
   # Chosen from a learning curve measured on a 2-core CPU (docs/perf-log.md, "The main job's
   # model and length on CPU"): the best BLEU that ~10 minutes of training reached there.
   DEFAULT_UPDATES=1200
-  EXPECT="14.7-15.3 on a 2-core CPU, after 7.5-10.5 minutes of training"
+  EXPECT="14.7-15.3 on a 2-core CPU, after 5-10.5 minutes of training"
   WHAT="ls_transformer 128 wide (FFN 256), 2+2 layers, 4 heads (0.92M parameters)"
   MODEL=(--arch ls_transformer --encoder-embed-dim 128 --encoder-ffn-embed-dim 256 --encoder-layers 2
          --decoder-layers 2 --encoder-attention-heads 4 --decoder-attention-heads 4
