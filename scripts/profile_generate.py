@@ -50,9 +50,9 @@ def main(argv=None):
     steps = []
     decode_step = model.decoder.decode_step
 
-    def counted(tokens, step, cache):
-        steps.append(step)
-        return decode_step(tokens, step, cache)
+    def counted(*args):
+        steps.append(1)
+        return decode_step(*args)
 
     model.decoder.decode_step = counted
     for _ in range(2):

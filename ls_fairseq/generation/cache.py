@@ -38,15 +38,22 @@ class DecoderCache:
         """(keys, values, AttentionMask) of the encoder output for ``layer``: [sentences, heads, S, d_head]."""
         return self.encoder_kv[2 * layer], self.encoder_kv[2 * layer + 1], self.encoder_mask
 
-    def begin_step(self, step):
-        """Position ``step`` of hypothesis n is written into slot n (the cache grown if it is full, or
+    @property
+    def capacity(self):
+        return self.kv.shape[0]
+
+    def begin_step(self, step, t):
+        """The step ``step`` (a host int; ``t`` the same as a 0-d int64 tensor on the cache's device,
+        which every write and read of the step uses, so that no shape or index depends on the host's
+        value): position ``step`` of hypothesis n goes into slot n (the cache grown if it is full, or
         rebuilt with fewer slots if most of them belong to sentences that left the batch)."""
         capacity, N = self.kv.shape[0], self.origin.shape[0]
         if step >= capacity:
             self._rebuild(step, max(step + 1, min(2 * capacity, self.limit or 2 * capacity)))
         elif 2 * N <= self.kv.shape[2]:
             self._rebuild(step, capacity)
-        self.origin[:, step] = self.slots[:N]
+        self.t, self.length = t, step + 1
+        self.origin.scatter_(1, t.expand(N, 1), self.slots[:N, None])
 
     def _rebuild(self, length, capacity):
         """A cache of ``capacity`` positions and one slot per hypothesis holding positions < ``length``
@@ -61,13 +68,14 @@ class DecoderCache:
         self.kv = kv
         self.origin = self.slots[:N, None].expand(N, capacity).contiguous()
 
-    def attend(self, layer, step, q, k, v):
-        """``layer``'s self-attention at ``step``: writes the keys and values [N, heads, 1, d_head] of
-        position ``step`` and returns the attention of q [N, heads, 1, d_head] over positions 0..step."""
+    def attend(self, layer, q, k, v):
+        """``layer``'s self-attention at the step: writes the keys and values [N, heads, 1, d_head] of
+        its position and returns the attention of q [N, heads, 1, d_head] over positions 0..step."""
         N = q.shape[0]
-        self.kv[step, 2 * layer, :N] = k[:, :, 0]
-        self.kv[step, 2 * layer + 1, :N] = v[:, :, 0]
-        return decode_attention(q, self.kv, layer, self.origin, step + 1)
+        at = self.t.view(1)
+        self.kv.select(1, 2 * layer)[:, :N].index_copy_(0, at, k[None, :, :, 0])
+        self.kv.select(1, 2 * layer + 1)[:, :N].index_copy_(0, at, v[None, :, :, 0])
+        return decode_attention(q, self.kv, layer, self.origin, self.length)
 
     def reorder(self, order):
         """Hypothesis n continues hypothesis ``order[n]``; ``order`` may be

@@ -155,28 +155,32 @@ class LSSequenceGenerator(nn.Module):
         beam_offsets = torch.arange(B, device=device)[:, None] * k
         cand_offsets = torch.arange(2 * k, device=device)
         parents, reorder = None, False
+        t = torch.zeros((), dtype=torch.long, device=device)  # the step, where the step's ops read it
         for step in range(max_len + 1):
+            t.fill_(step)
             if reorder:
                 cache.reorder(parents)
-            logits = self.model.decoder.decode_step(s.tokens[:, step : step + 1], step, cache)
+            cache.begin_step(step, t)
+            logits = self.model.decoder.decode_step(s.tokens.gather(1, t.expand(s.tokens.shape[0], 1)), cache)
             lprobs = self._log_probs(logits, step, max_len, s, prefix_tokens)
 
             # 2 x beam candidates per sentence; at step 0 only the first beam's (the others start at -inf)
             values, index = beam_select((lprobs + s.cum[:, None]).view(-1, k * V), 2 * k)
             cand_beams, cand_tokens = index // V, index % V
             eos_mask = cand_tokens.eq(self.eos) & values.ne(-math.inf)
-            self._finish(s, step, values[:, :k], (cand_beams + beam_offsets)[:, :k], eos_mask[:, :k])
+            self._finish(s, t, values[:, :k], (cand_beams + beam_offsets)[:, :k], eos_mask[:, :k])
             if step == max_len:
                 break
 
-            # the first beam candidates that do not end the sentence continue (fairseq's active_hypos)
+            # the first beam candidates that do not end the sentence continue (fairseq's active_hypos);
+            # whole rows of the histories are copied, so that no shape depends on the step
             active = torch.topk(eos_mask * (2 * k) + cand_offsets, k, dim=1, largest=False).indices
             parents = (cand_beams.gather(1, active) + beam_offsets).view(-1)
-            s.tokens[:, : step + 1] = s.tokens[parents, : step + 1]
-            s.tokens[:, step + 1] = cand_tokens.gather(1, active).view(-1)
-            s.scores[:, :step] = s.scores[parents, :step]
+            s.tokens = s.tokens.index_select(0, parents)
+            s.tokens.scatter_(1, (t + 1).expand(parents.shape[0], 1), cand_tokens.gather(1, active).view(-1, 1))
+            s.scores = s.scores.index_select(0, parents)
             s.cum = values.gather(1, active).view(-1)
-            s.scores[:, step] = s.cum
+            s.scores.scatter_(1, t.expand(parents.shape[0], 1), s.cum[:, None])
             reorder = k > 1
 
             if (step + 1) % sync_every == 0:
@@ -248,22 +252,29 @@ class LSSequenceGenerator(nn.Module):
         after = seen[:, n - 1 : n - 1 + windows]
         lprobs.scatter_add_(1, after, torch.where(match, -math.inf, 0.0))
 
-    def _finish(self, s, step, values, beams, eos_mask):
+    def _finish(self, s, t, values, beams, eos_mask):
         """fairseq's finalize_hypos on the device: each EOS candidate among the first beam of a sentence
-        not yet done takes the sentence's next free slot (while it has one)."""
+        not yet done takes the sentence's next free slot (while it has one). ``t``: the step, a 0-d
+        tensor; the hypotheses' whole rows are written (EOS at the step, padding after it)."""
         k = s.beam_size
         new = eos_mask & ~s.done[:, None]
         rank = s.count[:, None] + new.cumsum(1) - 1
         slot = torch.where(new & rank.lt(k), rank, k)  # slot k: discarded
-        B = beams.shape[0]
-        history = s.tokens[beams.reshape(-1), 1 : step + 1].view(B, k, step)
-        tokens = torch.cat([history, history.new_full((B, k, 1), self.eos)], dim=2)
-        positional = torch.cat([s.scores[beams.reshape(-1), :step].view(B, k, step), values[:, :, None]], dim=2)
-        score = values / ((step + 1) ** self.len_penalty) if self.normalize_scores else values
-        s.fin_tokens[:, :, : step + 1].scatter_(1, slot[:, :, None].expand(-1, -1, step + 1), tokens)
-        s.fin_positional[:, :, : step + 1].scatter_(1, slot[:, :, None].expand(-1, -1, step + 1), positional)
+        B, L = beams.shape[0], s.fin_tokens.shape[2]
+        rows = beams.reshape(-1)
+        position = torch.arange(L, device=t.device)
+        before, at = position.lt(t), position.eq(t)
+        history = s.tokens[rows, 1 : L + 1].view(B, k, L)
+        tokens = torch.where(before, history, torch.where(at, self.eos, self.pad))
+        positional = torch.where(before, s.scores[rows].view(B, k, L), torch.where(at, values[:, :, None], 0.0))
+        length = t + 1
+        # the length penalty in double, rounded once, as fairseq's (step + 1) ** lenpen becomes a float scalar
+        score = values / length.double().pow(self.len_penalty).float() if self.normalize_scores else values
+        where = slot[:, :, None].expand(-1, -1, L)
+        s.fin_tokens.scatter_(1, where, tokens)
+        s.fin_positional.scatter_(1, where, positional)
         s.fin_score.scatter_(1, slot, score)
-        s.fin_length.scatter_(1, slot, torch.full_like(slot, step + 1))
+        s.fin_length.scatter_(1, slot, length.expand(slot.shape))
         s.count = s.count + (new & rank.lt(k)).sum(1)
         s.done = s.done | s.count.ge(k)
 

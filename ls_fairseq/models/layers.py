@@ -154,18 +154,18 @@ class DecoderLayer(_Layer):
         x = self._block_output(out, attn.out_proj.bias, x, self.encoder_attn_layer_norm, residual)
         return self._ffn(x)
 
-    def forward_step(self, x, step, cache, index):
-        """One step of incremental decoding (ls_fairseq.generation): x [N, 1, d] for the token at
-        position ``step`` of N = sentences x beams hypotheses. This layer's self-attention keys and
+    def forward_step(self, x, cache, index):
+        """One step of incremental decoding (ls_fairseq.generation): x [N, 1, d] for the token at the
+        cache's step of N = sentences x beams hypotheses. This layer's self-attention keys and
         values go into ``cache`` (a generation.DecoderCache; ``index`` this layer's number) at
-        ``step`` and the query attends to positions 0..step; the cross-attention takes the cache's
+        the step and the query attends to positions 0..step; the cross-attention takes the cache's
         keys and values of the encoder output (computed once per batch, one row per sentence) with
         the beams of a sentence as one block of queries, so they are never copied per beam."""
         attn = self.self_attn
         h, residual, _ = self._block_input(x, self.self_attn_layer_norm)
         q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight), attn.qkv_proj.bias, attn.num_heads, 3,
                                   attn.scaling, token_major=True)
-        ctx = cache.attend(index, step, q, k, v)
+        ctx = cache.attend(index, q, k, v)
         x = self._block_output(ops.linear(ctx, attn.out_proj.weight, heads=True), attn.out_proj.bias, x,
                                self.self_attn_layer_norm, residual)
         attn = self.encoder_attn

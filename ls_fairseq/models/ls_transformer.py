@@ -267,17 +267,16 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
                     value[name] = value[name].index_select(0, new_order)
         self.set_incremental_state(incremental_state, "cache", cache)
 
-    def decode_step(self, tokens, step, cache):
+    def decode_step(self, tokens, cache):
         """One step of incremental decoding on preallocated caches (ls_fairseq.generation): ``tokens``
-        [N, 1] the token at position ``step`` (0-based) of every hypothesis; ``cache`` a
-        generation.DecoderCache of this decoder. Returns the logits [N, vocab]. Numerically the
-        incremental path of ``forward`` (positions padding_idx + 1 + step, as make_positions gives a
-        hypothesis, which holds no padding)."""
-        position = self.padding_idx + 1 + step
-        cache.begin_step(step)
-        x = self._embed(tokens, torch.full_like(tokens, position), position)
+        [N, 1] the token of every hypothesis at the step that ``cache`` (a generation.DecoderCache of
+        this decoder) was given by its begin_step, whose device copy sets the position. Returns the
+        logits [N, vocab]. Numerically the incremental path of ``forward`` (positions padding_idx + 1
+        + step, as make_positions gives a hypothesis, which holds no padding)."""
+        positions = (cache.t + (self.padding_idx + 1)).expand(tokens.shape).contiguous()
+        x = self._embed(tokens, positions, self.padding_idx + cache.capacity)
         for i, layer in enumerate(self.layers):
-            x = layer.forward_step(x, step, cache, i)
+            x = layer.forward_step(x, cache, i)
         if self.layer_norm is not None:
             x = ops.layer_norm(x, self.layer_norm.weight, self.layer_norm.bias)
         return self.output_layer(x)[:, 0]
