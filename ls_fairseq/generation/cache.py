@@ -80,7 +80,11 @@ class DecoderCache:
     def reorder(self, order):
         """Hypothesis n continues hypothesis ``order[n]``; ``order`` may be
         shorter than the current hypotheses when finished sentences leave the batch."""
-        self.origin = self.origin.index_select(0, order)
+        picked = self.origin.index_select(0, order)
+        if picked.shape == self.origin.shape:
+            self.origin.copy_(picked)  # in place: the table keeps its memory while the batch does
+        else:
+            self.origin = picked
 
     def keep_sentences(self, keep):
         """Only the sentences ``keep`` (indices) stay in the batch; their hypotheses' rows of ``origin``

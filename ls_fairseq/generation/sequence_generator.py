@@ -173,13 +173,14 @@ class LSSequenceGenerator(nn.Module):
                 break
 
             # the first beam candidates that do not end the sentence continue (fairseq's active_hypos);
-            # whole rows of the histories are copied, so that no shape depends on the step
+            # whole rows of the histories are copied, so that no shape depends on the step, and the
+            # state is updated in place, so that its tensors keep their memory from step to step
             active = torch.topk(eos_mask * (2 * k) + cand_offsets, k, dim=1, largest=False).indices
             parents = (cand_beams.gather(1, active) + beam_offsets).view(-1)
-            s.tokens = s.tokens.index_select(0, parents)
+            s.tokens.copy_(s.tokens.index_select(0, parents))
             s.tokens.scatter_(1, (t + 1).expand(parents.shape[0], 1), cand_tokens.gather(1, active).view(-1, 1))
-            s.scores = s.scores.index_select(0, parents)
-            s.cum = values.gather(1, active).view(-1)
+            s.scores.copy_(s.scores.index_select(0, parents))
+            s.cum.copy_(values.gather(1, active).view(-1))
             s.scores.scatter_(1, t.expand(parents.shape[0], 1), s.cum[:, None])
             reorder = k > 1
 
@@ -275,8 +276,8 @@ class LSSequenceGenerator(nn.Module):
         s.fin_positional.scatter_(1, where, positional)
         s.fin_score.scatter_(1, slot, score)
         s.fin_length.scatter_(1, slot, length.expand(slot.shape))
-        s.count = s.count + (new & rank.lt(k)).sum(1)
-        s.done = s.done | s.count.ge(k)
+        s.count += (new & rank.lt(k)).sum(1)
+        s.done |= s.count.ge(k)
 
 
 class _State:
