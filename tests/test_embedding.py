@@ -142,7 +142,8 @@ def test_decoder_steps_beyond_1024_positions_read_inside_the_sinusoid_table(kern
         logits, _ = model.decoder(prev, encoder_out, incremental_state={})
         assert kernel_path_on_cpu[-1] > PAD + 1500
         cache = DecoderCache(model.decoder, encoder_out, 1, 2048)
-        cache.begin_step(1499, torch.tensor(1499))
+        cache.prepare(1499)
+        cache.begin_step(torch.tensor(1499), 1500)
         step_logits = model.decoder.decode_step(prev[:, -1:], cache)
     assert kernel_path_on_cpu[-1] > PAD + 1500
     # the step's cache holds no earlier steps (uninitialised rows), so only its shape is checked here

@@ -231,7 +231,8 @@ def test_cache_gives_each_hypothesis_its_history_through_reorders_growth_and_com
             parents = alive[torch.randint(0, alive.numel(), (N,))]
             cache.reorder(parents)
             history = [(k.index_select(0, parents), v.index_select(0, parents)) for k, v in history]
-        cache.begin_step(step, torch.tensor(step))
+        cache.prepare(step)
+        cache.begin_step(torch.tensor(step), step + 1)
         for layer in range(2):
             q, k, v = (torch.randn(N, H, 1, D) for _ in range(3))
             out = cache.attend(layer, q, k, v)

@@ -42,17 +42,21 @@ class DecoderCache:
     def capacity(self):
         return self.kv.shape[0]
 
-    def begin_step(self, step, t):
-        """The step ``step`` (a host int; ``t`` the same as a 0-d int64 tensor on the cache's device,
-        which every write and read of the step uses, so that no shape or index depends on the host's
-        value): position ``step`` of hypothesis n goes into slot n (the cache grown if it is full, or
-        rebuilt with fewer slots if most of them belong to sentences that left the batch)."""
+    def prepare(self, step):
+        """Before step ``step`` (the host's number), the host's decisions: the cache grown if it is
+        full, or rebuilt with fewer slots if most of them belong to sentences that left the batch."""
         capacity, N = self.kv.shape[0], self.origin.shape[0]
         if step >= capacity:
             self._rebuild(step, max(step + 1, min(2 * capacity, self.limit or 2 * capacity)))
         elif 2 * N <= self.kv.shape[2]:
             self._rebuild(step, capacity)
-        self.t, self.length = t, step + 1
+
+    def begin_step(self, t, length):
+        """The step ``t``, a 0-d int64 tensor on the cache's device that every write and read of the
+        step uses (so that no shape or index depends on the host's number), and ``length`` = t + 1,
+        which decode_attention reads: position t of hypothesis n goes into slot n."""
+        N = self.origin.shape[0]
+        self.t, self.length = t, length
         self.origin.scatter_(1, t.expand(N, 1), self.slots[:N, None])
 
     def _rebuild(self, length, capacity):

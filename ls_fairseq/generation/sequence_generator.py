@@ -154,34 +154,16 @@ class LSSequenceGenerator(nn.Module):
         s.tokens[:, 0] = self.eos if bos_token is None else bos_token
         beam_offsets = torch.arange(B, device=device)[:, None] * k
         cand_offsets = torch.arange(2 * k, device=device)
-        parents, reorder = None, False
+        parents = torch.zeros(B * k, dtype=torch.long, device=device)  # each hypothesis's, for the next step
         t = torch.zeros((), dtype=torch.long, device=device)  # the step, where the step's ops read it
+        reorder = False
         for step in range(max_len + 1):
             t.fill_(step)
-            if reorder:
-                cache.reorder(parents)
-            cache.begin_step(step, t)
-            logits = self.model.decoder.decode_step(s.tokens.gather(1, t.expand(s.tokens.shape[0], 1)), cache)
-            lprobs = self._log_probs(logits, step, max_len, s, prefix_tokens)
-
-            # 2 x beam candidates per sentence; at step 0 only the first beam's (the others start at -inf)
-            values, index = beam_select((lprobs + s.cum[:, None]).view(-1, k * V), 2 * k)
-            cand_beams, cand_tokens = index // V, index % V
-            eos_mask = cand_tokens.eq(self.eos) & values.ne(-math.inf)
-            self._finish(s, t, values[:, :k], (cand_beams + beam_offsets)[:, :k], eos_mask[:, :k])
+            cache.prepare(step)
+            self._step(s, cache, parents, t, step + 1, step, max_len, prefix_tokens, beam_offsets, cand_offsets,
+                       reorder)
             if step == max_len:
                 break
-
-            # the first beam candidates that do not end the sentence continue (fairseq's active_hypos);
-            # whole rows of the histories are copied, so that no shape depends on the step, and the
-            # state is updated in place, so that its tensors keep their memory from step to step
-            active = torch.topk(eos_mask * (2 * k) + cand_offsets, k, dim=1, largest=False).indices
-            parents = (cand_beams.gather(1, active) + beam_offsets).view(-1)
-            s.tokens.copy_(s.tokens.index_select(0, parents))
-            s.tokens.scatter_(1, (t + 1).expand(parents.shape[0], 1), cand_tokens.gather(1, active).view(-1, 1))
-            s.scores.copy_(s.scores.index_select(0, parents))
-            s.cum.copy_(values.gather(1, active).view(-1))
-            s.scores.scatter_(1, t.expand(parents.shape[0], 1), s.cum[:, None])
             reorder = k > 1
 
             if (step + 1) % sync_every == 0:
@@ -199,6 +181,38 @@ class LSSequenceGenerator(nn.Module):
                     beam_offsets = beam_offsets[: keep.numel()]
                     reorder = True
         return s.results()
+
+    def _step(self, s, cache, parents, t, length, step, max_len, prefix_tokens, beam_offsets, cand_offsets, reorder):
+        """One step of the search, on the device: the hypotheses continue their ``parents`` (when
+        ``reorder``), the decoder runs at step ``t`` (a 0-d tensor; ``length`` = step + 1, which
+        decode_attention reads), candidates are chosen, the finished ones written, and ``parents`` and
+        the state ``s`` updated in place. ``step``, the host's number of the step, is read only where
+        the step is special (minimum and maximum length, prefix, n-gram blocking)."""
+        k, V = s.beam_size, self.vocab_size
+        if reorder:
+            cache.reorder(parents)
+        cache.begin_step(t, length)
+        logits = self.model.decoder.decode_step(s.tokens.gather(1, t.expand(s.tokens.shape[0], 1)), cache)
+        lprobs = self._log_probs(logits, step, max_len, s, prefix_tokens)
+
+        # 2 x beam candidates per sentence; at step 0 only the first beam's (the others start at -inf)
+        values, index = beam_select((lprobs + s.cum[:, None]).view(-1, k * V), 2 * k)
+        cand_beams, cand_tokens = index // V, index % V
+        eos_mask = cand_tokens.eq(self.eos) & values.ne(-math.inf)
+        self._finish(s, t, values[:, :k], (cand_beams + beam_offsets)[:, :k], eos_mask[:, :k])
+        if step == max_len:
+            return
+
+        # the first beam candidates that do not end the sentence continue (fairseq's active_hypos);
+        # whole rows of the histories are copied, so that no shape depends on the step, and the
+        # state is updated in place, so that its tensors keep their memory from step to step
+        active = torch.topk(eos_mask * (2 * k) + cand_offsets, k, dim=1, largest=False).indices
+        parents.copy_((cand_beams.gather(1, active) + beam_offsets).view(-1))
+        s.tokens.copy_(s.tokens.index_select(0, parents))
+        s.tokens.scatter_(1, (t + 1).expand(parents.shape[0], 1), cand_tokens.gather(1, active).view(-1, 1))
+        s.scores.copy_(s.scores.index_select(0, parents))
+        s.cum.copy_(values.gather(1, active).view(-1))
+        s.scores.scatter_(1, t.expand(parents.shape[0], 1), s.cum[:, None])
 
     def _log_probs(self, logits, step, max_len, s, prefix_tokens):
         """fairseq's per-step log-probabilities: temperature, log-softmax in fp32, NaN -> -inf, no pad,
