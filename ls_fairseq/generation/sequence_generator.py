@@ -10,12 +10,12 @@ bos_token) and the same output (per sentence the finished hypotheses, best first
 tokens, score, positional_scores, empty attention and alignment).
 
 What differs is where it runs. Every step is batched tensor ops with shapes fixed by the batch
-and the step number: the model's decode_step on preallocated caches (generation.DecoderCache:
-the encoder runs once, its keys and values for all layers once per batch; the self-attention's
-keys and values written once, a beam reorder copying a table of slot numbers), candidates from
-ops.beam_select, finished hypotheses written into per-sentence slots by scatter, the sentence's
-done flag and the stop test as tensors. Nothing in a step reads a tensor back to the host: no
-.item(), no boolean-mask indexing, no branch on a value. Every ``sync_every`` steps the host reads
+(the step itself is read from a device tensor): the model's decode_step on preallocated caches
+(generation.DecoderCache: the encoder runs once, its keys and values for all layers once per
+batch; the self-attention's keys and values written once, a beam reorder copying a table of slot
+numbers), candidates from ops.beam_select, finished hypotheses written into per-sentence slots by
+scatter, the sentence's done flag and the stop test as tensors. Nothing in a step reads a tensor
+back to the host: no .item(), no boolean-mask indexing, no branch on a value. Every ``sync_every`` steps the host reads
 the sentences' done flags (one small copy): it stops when all are done, and when at least
 ``compact_fraction`` of the batch is done it drops those sentences (their results kept), as
 fairseq drops each finished sentence at once. Finished sentences still in the batch run on
