@@ -251,6 +251,46 @@ def test_cache_gives_each_hypothesis_its_history_through_reorders_growth_and_com
     assert cache.kv.shape[2] == 2 * beam and cache.kv.shape[0] == 30
 
 
+def ordinary(gen, step, max_len, prefix_tokens, reorder, k):
+    """The steps a CUDA graph of the step could replay: past the minimum length and the prefix, before
+    the maximum length, no n-gram blocking, and a reorder as every later step has."""
+    return (gen.min_len <= step < max_len and gen.no_repeat_ngram_size == 0 and reorder == (k > 1)
+            and (prefix_tokens is None or step >= prefix_tokens.shape[1]))
+
+
+@pytest.mark.parametrize("options", [dict(beam_size=4, min_len=3), dict(beam_size=1), dict(beam_size=4, prefix_size=2)])
+def test_an_ordinary_step_reads_the_step_only_from_the_device(few, monkeypatch, options):
+    """A graph replay is the captured step with only the device's step tensor changed. Emulated on the
+    CPU: every ordinary step runs as the first one of its batch state would be captured (the host's
+    step number frozen at that step's, the attention length as a tensor computed from the device's
+    step), and the search's state tensors keep their storage from step to step while the batch, its
+    sentences and the cache's buffers stay: the same n-best lists as the plain run."""
+    model, task, batches = few
+    options = dict(options)
+    prefix_size = options.pop("prefix_size", 0)
+    ref = translate(LSSequenceGenerator([model], task.target_dictionary, **options), model, batches, prefix_size)
+    step_fn = LSSequenceGenerator._step
+    frozen, emulated, storage = {}, [], {}
+
+    def as_replayed(self, s, cache, parents, t, length, step, max_len, prefix_tokens, beam_offsets, cand_offsets,
+                    reorder):
+        state = (id(s), cache.kv.data_ptr(), cache.origin.shape, parents.data_ptr())
+        if not ordinary(self, step, max_len, prefix_tokens, reorder, s.beam_size):
+            return step_fn(self, s, cache, parents, t, length, step, max_len, prefix_tokens, beam_offsets,
+                           cand_offsets, reorder)
+        first = frozen.setdefault(state, step)
+        emulated.append(step != first)
+        step_fn(self, s, cache, parents, t, t + 1, first, max_len, prefix_tokens, beam_offsets, cand_offsets, reorder)
+        tensors = [s.tokens, s.scores, s.cum, s.done, s.count, s.fin_tokens, s.fin_positional, s.fin_score,
+                   s.fin_length, cache.origin, parents]
+        assert storage.setdefault(state, [x.data_ptr() for x in tensors]) == [x.data_ptr() for x in tensors]
+
+    monkeypatch.setattr(LSSequenceGenerator, "_step", as_replayed)
+    out = translate(LSSequenceGenerator([model], task.target_dictionary, **options), model, batches, prefix_size)
+    assert any(emulated)
+    assert_same_nbest(ref, out)
+
+
 def random_pair(**overrides):
     import sys
 
