@@ -9,10 +9,10 @@ Each hypothesis attends to its positions 0..length-1 through its own row of ``or
 
 Beam search reorders hypotheses at every step. Copying the cache into the new order (fairseq's
 reorder_incremental_state, an index_select of every layer's keys and values) moves the whole
-cache once a step, which made beam search on a GPU spend a quarter of its time in that copy at 128
-sentences. Here the step copies ``origin`` instead (4 bytes a position, not 4 x layers x width),
-and the kernel (csrc/decode_attention.cu) gathers each hypothesis's keys and values as it reads
-them. The reference gathers them with indexing and calls ``ops.attention``.
+cache once a step, a cost that grows with the square of the output length. Here the step copies
+``origin`` instead (4 bytes a position, not 4 x layers x width), and the kernel
+(csrc/decode_attention.cu) gathers each hypothesis's keys and values as it reads them. The
+reference gathers them with indexing and calls ``ops.attention``.
 """
 import torch
 
