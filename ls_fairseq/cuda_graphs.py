@@ -55,7 +55,7 @@ def _shape_key(sample):
 
 
 @contextlib.contextmanager
-def _on(stream):
+def on_stream(stream):
     """Run on ``stream``, ordered after the current stream's work and before its later work."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -75,7 +75,7 @@ class _Graph:
         # thread_local: fairseq's data loader pins the next batch in its own thread meanwhile
         # (cudaHostAlloc), which invalidates a capture in CUDA's default (global) mode.
         try:
-            with _on(stream), memory.Rise() as rise:
+            with on_stream(stream), memory.Rise() as rise:
                 self.graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     loss, nll_loss = criterion.losses(model, self.sample)
@@ -117,7 +117,7 @@ class GraphedTrainStep:
             return self.train_step(sample, model, criterion, optimizer, update_num, ignore_grad=ignore_grad)
         if not self.warmed:
             self.warmed = True
-            with _on(self.stream):  # the warm-up for every capture
+            with on_stream(self.stream):  # the warm-up for every capture
                 return self.train_step(sample, model, criterion, optimizer, update_num)
         model.train()
         model.set_num_updates(update_num)

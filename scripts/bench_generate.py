@@ -4,7 +4,8 @@ For each architecture, trains an ls_transformer briefly on the embedded corpus (
 that output lengths are realistic; the recipe's prepare.sh makes the data), converts it to a stock
 fairseq transformer (ls_fairseq.convert) and translates the test set with
   stock          fairseq's SequenceGenerator on the stock model: what fairseq-generate runs;
-  ls             ls_fairseq.generation.LSSequenceGenerator on the ls model;
+  ls             ls_fairseq.generation.LSSequenceGenerator on the ls model (ls-fp16-eager: without
+                 its CUDA graphs of the decoding step);
   fairseq-on-ls  fairseq's SequenceGenerator on the ls model (fairseq-generate on an ls model
                  without this generator),
 each in fp16 on a GPU (ls in bf16 too; stock fairseq-generate has no bf16 on GPUs) and fp32 on
@@ -150,12 +151,13 @@ def time_system(generator, model, task, samples, device):
 
 
 def systems(cuda, fairseq_on_ls):
-    """(name, which model: 'stock' or 'ls', generator: 'ls' or 'fairseq', dtype name), stock first"""
+    """(name, which model: 'stock' or 'ls', generator: 'ls', 'ls-eager' (no CUDA graphs) or 'fairseq', dtype
+    name), stock first"""
     if not cuda:
         found = [("stock-fp32", "stock", "fairseq", "float32"), ("ls-fp32", "ls", "ls", "float32")]
         return found + ([("fairseq-on-ls-fp32", "ls", "fairseq", "float32")] if fairseq_on_ls else [])
     found = [("stock-fp16", "stock", "fairseq", "float16"), ("ls-fp16", "ls", "ls", "float16"),
-             ("ls-bf16", "ls", "ls", "bfloat16")]
+             ("ls-bf16", "ls", "ls", "bfloat16"), ("ls-fp16-eager", "ls", "ls-eager", "float16")]
     return found + ([("fairseq-on-ls-fp16", "ls", "fairseq", "float16")] if fairseq_on_ls else [])
 
 
@@ -186,8 +188,11 @@ def bench_arch(arch, ls_path, data_bin, points, cuda, fairseq_on_ls, budget, row
             continue
         for name, _, gen, _ in names:
             model = models[name]
-            cls = LSSequenceGenerator if gen == "ls" else SequenceGenerator
-            generator = cls([model], task.target_dictionary, beam_size=beam, len_penalty=LENPEN)
+            if gen == "fairseq":
+                generator = SequenceGenerator([model], task.target_dictionary, beam_size=beam, len_penalty=LENPEN)
+            else:
+                generator = LSSequenceGenerator([model], task.target_dictionary, beam_size=beam, len_penalty=LENPEN,
+                                                cuda_graphs=gen == "ls")
             seconds, n, tokens, score, peak = time_system(generator, model, task,
                                                           batches(task, model, sentences, batch_size), device)
             row = dict(arch=arch, system=name, beam=beam, batch=batch_size, sentences=n, seconds=round(seconds, 3),

@@ -25,6 +25,7 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--top", type=int, default=20, help="kernels listed")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="every step eager")
     args = parser.parse_args(argv)
 
     import torch
@@ -33,6 +34,7 @@ def main(argv=None):
 
     import ls_fairseq  # noqa: F401 (the plugin)
     from ls_fairseq.generation import LSSequenceGenerator
+    from ls_fairseq.generation.cache import DecoderCache
 
     if not torch.cuda.is_available():
         sys.exit("profile_generate: needs a GPU")
@@ -46,15 +48,16 @@ def main(argv=None):
     sample = dataset.collater([dataset[i] for i in group])
     sample = {k: (v.cuda() if torch.is_tensor(v) else {n: t.cuda() for n, t in v.items()} if isinstance(v, dict) else v)
               for k, v in sample.items()}
-    generator = LSSequenceGenerator([model], task.target_dictionary, beam_size=args.beam, len_penalty=0.6)
+    generator = LSSequenceGenerator([model], task.target_dictionary, beam_size=args.beam, len_penalty=0.6,
+                                    cuda_graphs=not args.no_cuda_graphs)
     steps = []
-    decode_step = model.decoder.decode_step
+    prepare = DecoderCache.prepare
 
-    def counted(*args):
-        steps.append(1)
-        return decode_step(*args)
+    def counted(cache, step):  # once a step, also where the step is a graph's replay
+        steps.append(step)
+        return prepare(cache, step)
 
-    model.decoder.decode_step = counted
+    DecoderCache.prepare = counted
     for _ in range(2):
         generator.generate([model], sample)
     torch.cuda.synchronize()

@@ -86,3 +86,13 @@ def test_kernel_reads_only_the_hypotheses_rows_of_a_longer_origin():
     out = decode_attention(q, cache, 1, origin, 20)
     ref = decode_attention_reference(q.float(), cache.float(), 1, origin, 20)
     torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_kernel_reads_the_length_from_the_device():
+    """A length given as a device tensor (a CUDA graph's step): the same output as the same length given
+    as an int, at lengths within and past one chunk."""
+    q, cache, origin = inputs(9, 4, 64, 2, 1500, 1503, torch.float16, "cuda")
+    for length in (1, 37, 1500):
+        out = decode_attention(q, cache, 1, origin, torch.tensor(length, device="cuda"))
+        assert torch.equal(out, decode_attention(q, cache, 1, origin, length))

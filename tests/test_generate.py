@@ -606,6 +606,27 @@ def test_gpu_generation_runs_the_kernels(few, monkeypatch, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("capacity", [4, 64])
+def test_gpu_step_graphs_give_the_eager_steps_results(loaded, monkeypatch, dtype, capacity):
+    """The ordinary steps replayed from CUDA graphs: the n-best lists of every step run eagerly, while
+    sentences leave the batch (each time a new capture) and the cache grows past 4 positions."""
+    model, task, batches = loaded
+    monkeypatch.setattr(sequence_generator, "INITIAL_CAPACITY", capacity)
+    model = model.cuda().to(dtype)
+    try:
+        options = dict(beam_size=4, len_penalty=0.6, sync_every=4, compact_fraction=0.1)
+        eager = translate(LSSequenceGenerator([model], task.target_dictionary, cuda_graphs=False, **options), model,
+                          batches, device="cuda")
+        gen = LSSequenceGenerator([model], task.target_dictionary, **options)
+        graphed = translate(gen, model, batches, device="cuda")
+    finally:
+        model.float().cpu()
+    assert gen.step_graph.captured >= 2
+    assert_same_nbest(eager, graphed)
+
+
+@pytest.mark.gpu
 def test_gpu_fp32_nbest_equals_fairseqs_sequence_generator(loaded):
     """fp32 on the GPU: the same n-best lists but for near-ties, which other kernels' rounding can order
     differently (at most 2 of 200 sentences, and then the best scores within 1e-4)."""

@@ -708,8 +708,10 @@ std::tuple<Tensor, Tensor> beam_select(const Tensor& scores, int64_t k, int64_t 
 
 // ---- decode_attention ----
 // q [N, heads, 1, d_head] (rows of heads x d_head contiguous), cache [capacity, 2 x layers, slots, heads,
-// d_head] contiguous, origin int32 [>= N, >= length] with unit stride along positions -> [N, heads, 1, d_head]
-Tensor decode_attention(const Tensor& q, const Tensor& cache, int64_t layer, const Tensor& origin, int64_t length) {
+// d_head] contiguous, origin int32 [>= N, >= length] with unit stride along positions -> [N, heads, 1, d_head];
+// length_on_device: a one-element int64 tensor holding the length (at most `length`), read by the kernel
+Tensor decode_attention(const Tensor& q, const Tensor& cache, int64_t layer, const Tensor& origin, int64_t length,
+                        const std::optional<Tensor>& length_on_device) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor, got one on ", q.device());
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "decode_attention: q must be [hypotheses, heads, 1, d_head], got ",
               q.sizes());
@@ -731,14 +733,21 @@ Tensor decode_attention(const Tensor& q, const Tensor& cache, int64_t layer, con
               "decode_attention: origin must be [>= ", N, ", >= ", length, "] with unit stride along positions, got ",
               origin.sizes());
   TORCH_CHECK(cache.size(0) * cache.stride(0) < (int64_t(1) << 62), "decode_attention: cache too large");
+  if (length_on_device) {
+    TORCH_CHECK(length_on_device->is_cuda() && length_on_device->device() == q.device(), "length must be on ",
+                q.device());
+    TORCH_CHECK(length_on_device->scalar_type() == at::kLong && length_on_device->numel() == 1,
+                "decode_attention: length must be one int64, got ", length_on_device->scalar_type(), " ",
+                length_on_device->sizes());
+  }
   const c10::cuda::CUDAGuard guard(q.device());
   auto out = torch::empty({N, H, 1, D}, q.options());
   const char* base = static_cast<const char*>(cache.data_ptr());
   const int64_t layer_bytes = cache.stride(1) * cache.element_size();
   ls::decode_attention(dtype_of(q, "q"), q.data_ptr(), q.stride(0), base + 2 * layer * layer_bytes,
                        base + (2 * layer + 1) * layer_bytes, cache.stride(0), cache.stride(2),
-                       origin.data_ptr<int>(), origin.stride(0), N, int(H), int(D), int(length), out.data_ptr(),
-                       stream());
+                       origin.data_ptr<int>(), origin.stride(0), N, int(H), int(D), int(length),
+                       length_on_device ? length_on_device->data_ptr<int64_t>() : nullptr, out.data_ptr(), stream());
   CHECK_CUDA_OK();
   return out;
 }

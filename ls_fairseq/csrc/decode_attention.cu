@@ -6,7 +6,8 @@
 // through `origin` (position p of hypothesis n lives in cache slot origin[n, p]), q.k, the softmax
 // and the weighted sum of the values. Neither the gathered keys and values, nor the scores, nor the
 // probabilities are written to global memory. Positions are taken in chunks of kDecodeChunk with
-// an online softmax (running maximum and sum, rescaled per chunk), so the length has no cap.
+// an online softmax (running maximum and sum, rescaled per chunk), so the length has no cap. The
+// length may be read from device memory, so that a CUDA graph of the step replays at every step.
 #include <cstdint>
 #include <type_traits>
 
@@ -37,8 +38,9 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_attention_kernel(const T* __restrict__ q, int64_t q_stride, const T* __restrict__ keys,
                             const T* __restrict__ values, int64_t position_stride, int64_t slot_stride,
-                            const int* __restrict__ origin, int64_t origin_stride, int length, int heads,
-                            T* __restrict__ out) {
+                            const int* __restrict__ origin, int64_t origin_stride, int length,
+                            const int64_t* __restrict__ length_on_device, int heads, T* __restrict__ out) {
+  if (length_on_device != nullptr) length = int(*length_on_device);
   constexpr int kPairs = D / 2;
   constexpr int kGroups = kDecodeThreads / kPairs;
   constexpr int V = kVec<T> < D ? kVec<T> : D;
@@ -113,10 +115,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
 template <typename T, int D>
 void launch(const void* q, int64_t q_stride, const void* keys, const void* values, int64_t position_stride,
             int64_t slot_stride, const int* origin, int64_t origin_stride, int64_t hypotheses, int heads, int length,
-            void* out, cudaStream_t stream) {
+            const int64_t* length_on_device, void* out, cudaStream_t stream) {
   decode_attention_kernel<T, D><<<hypotheses * heads, kDecodeThreads, 0, stream>>>(
       (const T*)q, q_stride, (const T*)keys, (const T*)values, position_stride, slot_stride, origin, origin_stride,
-      length, heads, (T*)out);
+      length, length_on_device, heads, (T*)out);
 }
 
 }  // namespace
@@ -127,12 +129,13 @@ bool decode_attention_supports(int head_dim) {
 
 void decode_attention(DType dt, const void* q, int64_t q_stride, const void* keys, const void* values,
                       int64_t position_stride, int64_t slot_stride, const int* origin, int64_t origin_stride,
-                      int64_t hypotheses, int heads, int head_dim, int length, void* out, cudaStream_t stream) {
+                      int64_t hypotheses, int heads, int head_dim, int length, const int64_t* length_on_device,
+                      void* out, cudaStream_t stream) {
   if (hypotheses == 0 || heads == 0) return;
   LS_DISPATCH(dt, {
     const auto run = [&](auto dim) {
       launch<T, decltype(dim)::value>(q, q_stride, keys, values, position_stride, slot_stride, origin, origin_stride,
-                                      hypotheses, heads, length, out, stream);
+                                      hypotheses, heads, length, length_on_device, out, stream);
     };
     switch (head_dim) {
       case 32: run(std::integral_constant<int, 32>{}); break;

@@ -166,11 +166,13 @@ void beam_select(DType dt, const void* scores, void* values, int64_t* indices, i
 // decode_attention.cu: one decoding step's self-attention, q [hypotheses, heads, head_dim] (row n at
 // n * q_stride) over positions 0..length-1 of a cache written once: position p of hypothesis n is cache
 // slot origin[n * origin_stride + p], its keys at keys + p * position_stride + slot * slot_stride +
-// head * head_dim (values likewise) -> out [hypotheses, heads, head_dim], contiguous
+// head * head_dim (values likewise) -> out [hypotheses, heads, head_dim], contiguous; length_on_device, if
+// not null, holds the length (at most `length`) in device memory
 bool decode_attention_supports(int head_dim);
 void decode_attention(DType dt, const void* q, int64_t q_stride, const void* keys, const void* values,
                       int64_t position_stride, int64_t slot_stride, const int* origin, int64_t origin_stride,
-                      int64_t hypotheses, int heads, int head_dim, int length, void* out, cudaStream_t stream);
+                      int64_t hypotheses, int heads, int head_dim, int length, const int64_t* length_on_device,
+                      void* out, cudaStream_t stream);
 
 // adam.cu
 constexpr int kNormBlocks = 512;  // partial: kNormBlocks floats

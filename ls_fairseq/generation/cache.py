@@ -33,6 +33,7 @@ class DecoderCache:
         self.origin = torch.zeros(N, capacity, dtype=torch.int32, device=self.kv.device)
         self.slots = torch.arange(N, dtype=torch.int32, device=self.kv.device)
         self.limit = limit
+        self.generation = 0  # how often the buffers were replaced (a CUDA graph of the step keys on it)
 
     def encoder(self, layer):
         """(keys, values, AttentionMask) of the encoder output for ``layer``: [sentences, heads, S, d_head]."""
@@ -71,6 +72,7 @@ class DecoderCache:
             kv[:length, part] = self.kv[positions, part, slots]
         self.kv = kv
         self.origin = self.slots[:N, None].expand(N, capacity).contiguous()
+        self.generation += 1
 
     def attend(self, layer, q, k, v):
         """``layer``'s self-attention at the step: writes the keys and values [N, heads, 1, d_head] of
@@ -89,11 +91,13 @@ class DecoderCache:
             self.origin.copy_(picked)  # in place: the table keeps its memory while the batch does
         else:
             self.origin = picked
+            self.generation += 1
 
     def keep_sentences(self, keep):
         """Only the sentences ``keep`` (indices) stay in the batch; their hypotheses' rows of ``origin``
         are chosen by the next ``reorder``, whose order names them."""
         self.encoder_kv = [t.index_select(0, keep) for t in self.encoder_kv]
+        self.generation += 1
         if self.encoder_padding is not None:
             self.encoder_padding = self.encoder_padding.index_select(0, keep)
         self.encoder_mask = ops.AttentionMask(self.encoder_padding)

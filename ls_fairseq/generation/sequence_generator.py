@@ -30,6 +30,7 @@ Two deliberate differences, both where fairseq's own results are not defined by 
   fairseq-fixed wheel everywhere), compares the last n - 1 entries of its whole token buffer,
   padding, with the hypotheses' n-grams and so blocks nothing (fairseq issue 4709).
 """
+import itertools
 import math
 
 import torch
@@ -37,9 +38,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ls_fairseq.generation.cache import DecoderCache
+from ls_fairseq.generation.graphs import StepGraph
 from ls_fairseq.ops.beam_select import beam_select
 
 INITIAL_CAPACITY = 64  # self-attention cache positions before the first doubling
+_BATCHES = itertools.count()  # a number per batch, in the keys of the step's CUDA graphs
 
 
 def host_read(tensor):
@@ -72,12 +75,14 @@ class LSSequenceGenerator(nn.Module):
         no_repeat_ngram_size=0,
         sync_every=None,
         compact_fraction=None,
+        cuda_graphs=True,
     ):
         """``models``: one ls_transformer model; the other arguments as fairseq's SequenceGenerator's.
         ``sync_every``: steps between the host's reads of the done flags (default: 1 for a model on
         the CPU, where a read costs nothing, else 8); ``compact_fraction``: the fraction of the
         batch's sentences that must be done before they are dropped at a sync point (default: any
-        on the CPU, as fairseq drops them, else a quarter: dropping copies the caches once)."""
+        on the CPU, as fairseq drops them, else a quarter: dropping copies the caches once);
+        ``cuda_graphs``: on a GPU, replay the ordinary steps from a CUDA graph (generation.graphs)."""
         super().__init__()
         if len(models) != 1:
             raise ValueError("LSSequenceGenerator: one model, not an ensemble of {}".format(len(models)))
@@ -101,6 +106,7 @@ class LSSequenceGenerator(nn.Module):
         self.unk_penalty, self.temperature = unk_penalty, temperature
         self.no_repeat_ngram_size = no_repeat_ngram_size
         self.sync_every, self.compact_fraction = sync_every, compact_fraction
+        self.step_graph = StepGraph() if cuda_graphs else None
         self.model.eval()
 
     @classmethod
@@ -156,12 +162,17 @@ class LSSequenceGenerator(nn.Module):
         cand_offsets = torch.arange(2 * k, device=device)
         parents = torch.zeros(B * k, dtype=torch.long, device=device)  # each hypothesis's, for the next step
         t = torch.zeros((), dtype=torch.long, device=device)  # the step, where the step's ops read it
-        reorder = False
+        reorder, batch, phase = False, next(_BATCHES), 0
+        graph = self.step_graph if device.type == "cuda" else None
         for step in range(max_len + 1):
             t.fill_(step)
             cache.prepare(step)
-            self._step(s, cache, parents, t, step + 1, step, max_len, prefix_tokens, beam_offsets, cand_offsets,
-                       reorder)
+            if graph is not None and reorder == (k > 1) and self._ordinary(step, max_len, prefix_tokens):
+                graph.run((batch, phase, cache.generation), lambda: self._step(
+                    s, cache, parents, t, t + 1, step, max_len, prefix_tokens, beam_offsets, cand_offsets, reorder))
+            else:
+                self._step(s, cache, parents, t, step + 1, step, max_len, prefix_tokens, beam_offsets, cand_offsets,
+                           reorder)
             if step == max_len:
                 break
             reorder = k > 1
@@ -179,8 +190,15 @@ class LSSequenceGenerator(nn.Module):
                     if prefix_tokens is not None:
                         prefix_tokens = prefix_tokens[keep]
                     beam_offsets = beam_offsets[: keep.numel()]
-                    reorder = True
+                    reorder, phase = True, phase + 1
         return s.results()
+
+    def _ordinary(self, step, max_len, prefix_tokens):
+        """Whether step ``step`` does what every other ordinary step does, on the device alone: past
+        the minimum length and the prefix, before the maximum length, no n-gram blocking (whose
+        windows the host counts)."""
+        return (self.min_len <= step < max_len and self.no_repeat_ngram_size == 0
+                and (prefix_tokens is None or step >= prefix_tokens.shape[1]))
 
     def _step(self, s, cache, parents, t, length, step, max_len, prefix_tokens, beam_offsets, cand_offsets, reorder):
         """One step of the search, on the device: the hypotheses continue their ``parents`` (when

@@ -4,7 +4,9 @@ decode_attention(q, cache, layer, origin, length) -> [N, heads, 1, d_head]:
 - q [N, heads, 1, d_head], already scaled: the query of each of N hypotheses at this step;
 - cache [capacity, 2 x layers, slots, heads, d_head]: at position p and slot s, the keys (2 x layer)
   and values (2 x layer + 1) that the hypothesis in slot s at step p wrote;
-- origin int32 [>= N, >= length]: hypothesis n's position p is in slot origin[n, p].
+- origin int32 [>= N, >= length]: hypothesis n's position p is in slot origin[n, p];
+- length: an int, or a 0-d int64 tensor on q's device (read by the kernel there, so that a CUDA
+  graph of a decoding step replays at any step; the reference reads it on the host).
 Each hypothesis attends to its positions 0..length-1 through its own row of ``origin``.
 
 Beam search reorders hypotheses at every step. Copying the cache into the new order (fairseq's
@@ -32,13 +34,19 @@ def gather_history(cache, layer, origin, length):
 
 
 def decode_attention_reference(q, cache, layer, origin, length):
-    keys, values = gather_history(cache, layer, origin[: q.shape[0]], length)
+    keys, values = gather_history(cache, layer, origin[: q.shape[0]], int(length))
     return attention(q, keys, values, None, 0.0, False)
+
+
+def decode_attention_kernel(q, cache, layer, origin, length):
+    if torch.is_tensor(length):
+        return _C.decode_attention(q, cache, layer, origin, min(cache.shape[0], origin.shape[1]), length.view(1))
+    return _C.decode_attention(q, cache, layer, origin, length, None)
 
 
 DECODE_ATTENTION_ROUTE = dispatch.Route(
     "decode_attention",
-    kernel=_C.decode_attention if _C else None,
+    kernel=decode_attention_kernel if _C else None,
     reference=decode_attention_reference,
 )
 
@@ -50,12 +58,19 @@ def decode_attention(q, cache, layer, origin, length):
     if q.dim() != 4 or q.shape[2] != 1 or cache.dim() != 5 or cache.shape[3:] != q.shape[1:2] + q.shape[3:]:
         raise ValueError("decode_attention: q {} must be [hypotheses, heads, 1, d_head] and cache {} [capacity, "
                          "2 x layers, slots, heads, d_head]".format(tuple(q.shape), tuple(cache.shape)))
-    if not 0 <= layer < cache.shape[1] // 2 or not 1 <= length <= cache.shape[0]:
+    if torch.is_tensor(length):
+        if length.dtype != torch.int64 or length.numel() != 1 or length.device != q.device:
+            raise ValueError("decode_attention: a length tensor must be one int64 on {}, got {} {} on {}".format(
+                q.device, length.dtype, tuple(length.shape), length.device))
+        bound = cache.shape[0]  # the value itself is checked by nobody: the host does not read it
+    else:
+        bound = length
+    if not 0 <= layer < cache.shape[1] // 2 or not 1 <= bound <= cache.shape[0]:
         raise ValueError("decode_attention: layer {} of {}, length {} of a capacity of {}".format(
             layer, cache.shape[1] // 2, length, cache.shape[0]))
-    if origin.dtype != torch.int32 or origin.dim() != 2 or origin.shape[0] < q.shape[0] or origin.shape[1] < length:
+    if origin.dtype != torch.int32 or origin.dim() != 2 or origin.shape[0] < q.shape[0] or origin.shape[1] < bound:
         raise ValueError("decode_attention: origin {} {} must be int32 [>= {}, >= {}]".format(
-            origin.dtype, tuple(origin.shape), q.shape[0], length))
+            origin.dtype, tuple(origin.shape), q.shape[0], bound))
     run = DECODE_ATTENTION_ROUTE.pick(q)
     if run is not decode_attention_reference and (q.shape[3] not in HEAD_DIMS or q.stride(3) != 1
                                                   or q.stride(1) != q.shape[3] or q.stride(0) % 8 != 0
