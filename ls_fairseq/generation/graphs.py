@@ -11,8 +11,10 @@ one capture serves them all.
   buffers). The first step with a new key runs eagerly on the capture stream (what the capture
   needs is then warmed up: cuBLAS's per-stream workspace, the sinusoid table of the cache's size);
   the next one is captured and replayed, and every later one with that key only replayed.
-- The graphs of one generator allocate from one memory pool; only one is kept, since a key is
-  never seen again once it has changed.
+- The graphs of one generator allocate from one memory pool; only the newest is replayed, since a
+  key is never seen again once it has changed. The one before it is kept until the next capture
+  has ended: the caching allocator frees a pool once no graph holds it, and a capture into a
+  freed pool fails (an internal assert of PyTorch's).
 - Capture keeps the memory caches and tolerates other threads' CUDA calls, as the training
   step's graphs do (ls_fairseq.cuda_graphs).
 """
@@ -25,6 +27,7 @@ class StepGraph:
     def __init__(self):
         self.key = None
         self.graph = None
+        self.previous = None  # the last graph replayed, kept for its hold on the pool
         self.pool = None
         self.stream = None
         self.captured = 0  # graphs captured so far (tests and benchmarks read it)
@@ -34,6 +37,8 @@ class StepGraph:
         if self.stream is None:
             self.stream = torch.cuda.Stream()
         if key != self.key:
+            if self.graph is not None:
+                self.previous = self.graph
             self.key, self.graph = key, None
             with on_stream(self.stream):
                 step()
@@ -51,6 +56,6 @@ class StepGraph:
                 cause = e.__context__ or e
                 raise RuntimeError("ls_fairseq: capturing a decoding step in a CUDA graph failed: {}".format(
                     cause)) from cause
-            self.graph, self.pool = graph, self.pool or graph.pool()
+            self.graph, self.previous, self.pool = graph, None, self.pool or graph.pool()
             self.captured += 1
         self.graph.replay()
