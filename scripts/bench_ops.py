@@ -315,7 +315,6 @@ def bench_linear(dtype):
                 fwd_bw_pct=None, kernels="{:.0f} / {:.0f}".format(st_k, ls_k))  # GEMMs: compute-bound
 
 
-
 def bench_decode_attention(dtype, copy_bw, hypotheses=512, length=100, layers=6):
     """One decoding step's self-attention of one layer in a transformer-big beam search (128 sentences x
     beam 4, the step at position ``length``): fairseq's way, the reorder of the layer's keys and values
@@ -342,6 +341,21 @@ def bench_decode_attention(dtype, copy_bw, hypotheses=512, length=100, layers=6)
                 fwd_speedup=stock_ms / ls_ms, fwd_bw_pct=100 * bytes_ / ls_ms / 1e6 / copy_bw,
                 kernels="{:.0f} / {:.0f}".format(stock_k, ls_k))
 
+
+def bench_beam_select(copy_bw, sentences=128, beam=4, vocab=VOCAB):
+    """One decoding step's candidate selection in a beam search of ``sentences`` x ``beam`` over the
+    vocabulary: fairseq's torch.topk of the 2 x beam best of each sentence's beam x vocabulary
+    cumulative scores (fp32), against beam_select's HARS kernel on the same scores."""
+    from ls_fairseq.ops.beam_select import beam_select
+
+    scores = rand(sentences, beam * vocab, dtype=torch.float32)
+    stock_ms, stock_k = kernel_ms(lambda _: torch.topk(scores, 2 * beam, dim=1), [None])
+    ls_ms, ls_k = kernel_ms(lambda _: beam_select(scores, 2 * beam), [None])
+    return dict(op="beam_select (top 2 x beam)", stock_fwd_ms=stock_ms, ls_fwd_ms=ls_ms,
+                fwd_speedup=stock_ms / ls_ms, fwd_bw_pct=100 * scores.numel() * 4 / ls_ms / 1e6 / copy_bw,
+                kernels="{:.0f} / {:.0f}".format(stock_k, ls_k))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
@@ -360,6 +374,7 @@ def main():
     results.append(bench_adam(dtype, copy_bw))
     results.append(bench_grad_norm(dtype, copy_bw))
     results.append(bench_decode_attention(dtype, copy_bw))
+    results.append(bench_beam_select(copy_bw))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(dtype=args.dtype, dropout=args.dropout, copy_gbps=copy_bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)
