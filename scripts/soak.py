@@ -12,8 +12,9 @@ steps skipped for inf/NaN gradients and the count of non-finite losses. It stops
 when its training time reaches --budget-s (fairseq's --stop-time-hours), with the figures so far.
 
 At the end it prints: reserved memory's growth after the first epoch (target < 2%), each steady
-interval's wps against their median (target within 5%; intervals in which a graph was captured
-are left out), non-finite losses, and the number of captured graphs.
+stretch of --report-every updates' wps against their median (target within 5%; stretches in the
+first epoch or in which a graph was captured are left out), non-finite losses, and the number of
+captured graphs. ``--summarize RECORDS`` prints the summary of a finished run's records.jsonl again.
 
   python3 scripts/soak.py                              # on the GPU: 20,000 updates, ~7-8 min
   python3 scripts/soak.py --cpu --updates 12           # a smoke test: tiny model, a few updates
@@ -164,8 +165,24 @@ def worker(argv, records, report_every):
 # ------------------------------------------------------------------------------- the parent process
 
 
+def windows(records):
+    """wps over each stretch of --report-every updates, from one "interval" record to the next: the
+    tokens and seconds of every record in between added up (an epoch's end starts a new count, so
+    with epochs shorter than the stretch no single record spans it), with the epoch it ends in and
+    the graphs captured in it."""
+    out, tokens, seconds, captured, start = [], 0, 0.0, 0, None
+    for r in records:
+        tokens, seconds = tokens + r.get("tokens", 0), seconds + r.get("seconds", 0.0)
+        captured += r.get("captured_in_interval", 0)
+        if r["kind"] == "interval":
+            if start is not None and seconds > 0:
+                out.append(dict(start=start, update=r["update"], epoch=r["epoch"], wps=tokens / seconds,
+                                captured=captured))
+            tokens, seconds, captured, start = 0, 0.0, 0, r["update"]
+    return out
+
+
 def summarize(records, args):
-    intervals = [r for r in records if r["kind"] == "interval"]
     ends = [r for r in records if r["kind"] == "epoch_end"]
     every = [r for r in records if "reserved" in r]
     last = every[-1] if every else None
@@ -184,13 +201,11 @@ def summarize(records, args):
             s["reserved_growth"] = peak / first["reserved"] - 1
             s["allocated_growth"] = (max(r["allocated"] for r in later) / first["allocated"] - 1
                                      if first["allocated"] else None)
-    # steady intervals: after the first epoch, no graph captured, a full interval
-    steady = [r for r in intervals if r["epoch"] > 1 and r["captured_in_interval"] == 0
-              and r["steps"] >= args.report_every]
+    steady = [w for w in windows(records) if w["epoch"] > 1 and w["captured"] == 0]
     if steady:
         median = statistics.median(r["wps"] for r in steady)
         s["wps_median"] = median
-        s["wps_steady_intervals"] = len(steady)
+        s["wps_steady_stretches"] = len(steady)
         s["wps_worst_deviation"] = max(abs(r["wps"] / median - 1) for r in steady)
     checks = dict(
         reserved_growth_below_2pct=s.get("reserved_growth") is not None and s["reserved_growth"] < 0.02,
@@ -202,6 +217,38 @@ def summarize(records, args):
         checks = dict(no_nonfinite_loss=checks["no_nonfinite_loss"], trained=s["updates"] > 0)
     s["checks"] = checks
     return s
+
+
+def report(records, s):
+    """Print the records' table and the summary ``s``; 1 when a target is missed or training failed."""
+    # wps: over the stretch since the previous row (the first row and the last, partial one: their own)
+    stretch = {w["update"]: w["wps"] for w in windows(records)}
+    print("\n{:>7} {:>5} {:>9} {:>9} {:>9} {:>6} {:>6} {:>8} {:>8}".format(
+        "update", "epoch", "wps", "reserved", "alloc", "graphs", "shapes", "nonfin", "skipped"))
+    for r in records:
+        if r["kind"] in ("interval", "final"):
+            own = r.get("wps", float("nan"))
+            wps = stretch.get(r["update"], own) if r["kind"] == "interval" else own
+            print("{:>7} {:>5} {:>9.0f} {:>8.2f}G {:>8.2f}G {:>6} {:>6} {:>8} {:>8}".format(
+                r["update"], r["epoch"], wps, r["reserved"] / 2**30, r["allocated"] / 2**30,
+                r["graphs"], r["shapes"], r.get("nonfinite_losses", "-"), r.get("skipped_steps", "-")))
+
+    def pct(key):
+        return "{:+.2f}%".format(100 * s[key]) if s.get(key) is not None else "n/a"
+
+    print("\nsoak: {} updates, {} epochs done in {}s (rc {})".format(s["updates"], s["epochs_done"],
+                                                                     s.get("wall_s", "?"), s.get("rc", "?")))
+    print("reserved memory growth after the first epoch: {} (target < 2%; after epoch 1 {:.2f} GiB)".format(
+        pct("reserved_growth"), s.get("reserved_after_epoch1_gib", float("nan"))))
+    print("wps median {:.0f} over {} steady stretches, worst deviation {} (target within 5%)".format(
+        s.get("wps_median", float("nan")), s.get("wps_steady_stretches", 0),
+        "{:.2f}%".format(100 * s["wps_worst_deviation"]) if "wps_worst_deviation" in s else "n/a"))
+    print("non-finite losses {}, skipped steps (inf/NaN gradients) {}".format(s["nonfinite_losses"],
+                                                                             s["skipped_steps"]))
+    print("captured graphs {}, distinct batch shapes {}".format(s["graphs"], s["distinct_shapes"]))
+    print("checks: " + ", ".join("{} {}".format(k, "ok" if v else "MISSED") for k, v in s["checks"].items()))
+    failed = s.get("rc", 0) != 0 or not all(s["checks"].values()) or math.isnan(s.get("wps_median", 0.0))
+    return 1 if failed else 0
 
 
 def main():
@@ -221,8 +268,13 @@ def main():
     parser.add_argument("--cpu", action="store_true",
                         help="smoke test: a tiny model on the CPU, 300 pairs of 200 words, no fp16 or graphs")
     parser.add_argument("--out", default=None, help="folder for the logs (default $OUT/soak)")
+    parser.add_argument("--summarize", metavar="RECORDS", help="no training: the summary of a run's records.jsonl")
     parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.summarize:
+        with open(args.summarize) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        return report(records, summarize(records, args))
     out = args.out or os.path.join(os.environ.get("OUT") or tempfile.mkdtemp(prefix="soak_"), "soak")
     records_path = os.path.join(out, "records.jsonl")
     if args.worker is not None:
@@ -267,30 +319,7 @@ def main():
     if rc != 0:
         with open(os.path.join(out, "train.log")) as f:
             print("soak: training failed ({}); the log's end:\n{}".format(rc, "".join(f.readlines()[-30:])))
-    print("\n{:>7} {:>5} {:>9} {:>9} {:>9} {:>6} {:>6} {:>8} {:>8}".format(
-        "update", "epoch", "wps", "reserved", "alloc", "graphs", "shapes", "nonfin", "skipped"))
-    for r in records:
-        if r["kind"] in ("interval", "final"):
-            print("{:>7} {:>5} {:>9.0f} {:>8.2f}G {:>8.2f}G {:>6} {:>6} {:>8} {:>8}".format(
-                r["update"], r["epoch"], r.get("wps", float("nan")), r["reserved"] / 2**30, r["allocated"] / 2**30,
-                r["graphs"], r["shapes"], r.get("nonfinite_losses", "-"), r.get("skipped_steps", "-")))
-
-    def pct(key):
-        return "{:+.2f}%".format(100 * s[key]) if s.get(key) is not None else "n/a"
-
-    print("\nsoak: {} updates, {} epochs done in {:.0f}s (rc {})".format(s["updates"], s["epochs_done"], s["wall_s"],
-                                                                       rc))
-    print("reserved memory growth after the first epoch: {} (target < 2%; after epoch 1 {:.2f} GiB)".format(
-        pct("reserved_growth"), s.get("reserved_after_epoch1_gib", float("nan"))))
-    print("wps median {:.0f} over {} steady intervals, worst deviation {} (target within 5%)".format(
-        s.get("wps_median", float("nan")), s.get("wps_steady_intervals", 0),
-        "{:.2f}%".format(100 * s["wps_worst_deviation"]) if "wps_worst_deviation" in s else "n/a"))
-    print("non-finite losses {}, skipped steps (inf/NaN gradients) {}".format(s["nonfinite_losses"],
-                                                                             s["skipped_steps"]))
-    print("captured graphs {}, distinct batch shapes {}".format(s["graphs"], s["distinct_shapes"]))
-    print("checks: " + ", ".join("{} {}".format(k, "ok" if v else "MISSED") for k, v in s["checks"].items()))
-    failed = rc != 0 or not all(s["checks"].values()) or (math.isnan(s.get("wps_median", 0.0)))
-    return 1 if failed else 0
+    return report(records, s)
 
 
 if __name__ == "__main__":
