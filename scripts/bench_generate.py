@@ -19,7 +19,7 @@ interrupted run keeps what it measured), results.md (the table, printed last) an
 --out (default $OUT, else a new folder under /tmp). Points are measured in the order given; once
 --budget seconds have passed since the start, the remaining ones are listed as skipped.
 
-  python scripts/bench_generate.py                # GPU: base and big, the issue's points (one H200: ~9 min)
+  python scripts/bench_generate.py                # GPU: big then base, the issue's points (one H200: ~9 min)
   python scripts/bench_generate.py --smoke --cpu  # anywhere: a tiny model, small points
   python scripts/bench_generate.py --data-bin D --checkpoint ARCH=CKPT  # no prepare, no training
 """
@@ -265,7 +265,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT"),
                         help="folder for the logs, data, checkpoints and results (default $OUT, else a new /tmp folder)")
-    parser.add_argument("--archs", default="base,big", help="comma-separated: base, big, tiny")
+    parser.add_argument("--archs", default="big,base",
+                        help="comma-separated, in the order measured: big, base, tiny (big first: the targets are "
+                             "on it, and --budget skips what comes last)")
     parser.add_argument("--max-update", type=int, default=2500, help="training updates per architecture")
     parser.add_argument("--points", type=parse_points, help="BEAM:BATCH:SENTENCES,... in the order measured "
                         "(default {})".format(",".join("{}:{}:{}".format(*p) for p in POINTS)))

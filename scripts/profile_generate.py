@@ -26,6 +26,10 @@ def main(argv=None):
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--top", type=int, default=20, help="kernels listed")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="every step eager")
+    parser.add_argument("--sync-every", type=int, default=None, help="steps between the host's reads of the done "
+                        "flags (default: the generator's)")
+    parser.add_argument("--compact-fraction", type=float, default=None, help="fraction of the sentences done before "
+                        "they leave the batch (default: the generator's)")
     args = parser.parse_args(argv)
 
     import torch
@@ -49,7 +53,8 @@ def main(argv=None):
     sample = {k: (v.cuda() if torch.is_tensor(v) else {n: t.cuda() for n, t in v.items()} if isinstance(v, dict) else v)
               for k, v in sample.items()}
     generator = LSSequenceGenerator([model], task.target_dictionary, beam_size=args.beam, len_penalty=0.6,
-                                    cuda_graphs=not args.no_cuda_graphs)
+                                    cuda_graphs=not args.no_cuda_graphs, sync_every=args.sync_every,
+                                    compact_fraction=args.compact_fraction)
     steps = []
     prepare = DecoderCache.prepare
 
@@ -62,11 +67,14 @@ def main(argv=None):
         generator.generate([model], sample)
     torch.cuda.synchronize()
     steps.clear()
+    graphs = generator.step_graph
+    captured = graphs.captured if graphs else 0
     start = time.perf_counter()
     generator.generate([model], sample)
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     n = len(steps)
+    captured = (graphs.captured if graphs else 0) - captured
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         generator.generate([model], sample)
         torch.cuda.synchronize()
@@ -74,9 +82,9 @@ def main(argv=None):
     kernels = sorted(events, key=lambda e: -e.self_device_time_total)
     busy_us = sum(e.self_device_time_total for e in kernels)
     launches = sum(e.count for e in kernels if e.self_device_time_total > 0)
-    print("profile_generate: {} sentences, beam {}, {}: {} steps, wall {:.2f} ms/step (unprofiled), GPU busy "
-          "{:.3f} ms/step, {:.0f} kernels/step".format(len(group), args.beam, args.dtype, n, 1e3 * wall / n,
-                                                       busy_us / 1e3 / n, launches / n))
+    print("profile_generate: {} sentences, beam {}, {}: {} steps, {} captured graphs, wall {:.2f} ms/step "
+          "(unprofiled), GPU busy {:.3f} ms/step, {:.0f} kernels/step".format(
+              len(group), args.beam, args.dtype, n, captured, 1e3 * wall / n, busy_us / 1e3 / n, launches / n))
     print("| kernel | calls/step | us/step | share |")
     print("| --- | --- | --- | --- |")
     for e in kernels[: args.top]:
