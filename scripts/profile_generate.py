@@ -7,6 +7,13 @@ of kernel launches per step, and the kernels that take the most GPU time. A GPU 
 the wall time means the host (Python and launches) sets the pace.
 
   python scripts/profile_generate.py --data-bin D --checkpoint CKPT --beam 4 --batch-size 128
+
+With --sentences N it instead translates the test set's first N sentences as bench_generate.py
+times them (its batches, from the input copy to the hypotheses) and splits the time between the
+input copies, the encoder, the caches' set-up, the eager decoding steps, the captures, the
+replays, the hypotheses' assembly and the rest (the host's reads of the done flags, the
+compactions, fairseq's inference_step): the device is synchronised around each part, so the parts
+add up to the instrumented total, printed beside the plain one. It runs on the CPU too.
 """
 import argparse
 import os
@@ -30,7 +37,11 @@ def main(argv=None):
                         "flags (default: the generator's)")
     parser.add_argument("--compact-fraction", type=float, default=None, help="fraction of the sentences done before "
                         "they leave the batch (default: the generator's)")
+    parser.add_argument("--sentences", type=int, default=None,
+                        help="the whole-run breakdown over the test set's first N sentences (see above)")
     args = parser.parse_args(argv)
+    if args.sentences:
+        return breakdown(args)
 
     import torch
     from fairseq import checkpoint_utils
@@ -90,6 +101,125 @@ def main(argv=None):
     for e in kernels[: args.top]:
         print("| {} | {:.1f} | {:.1f} | {:.1%} |".format(e.key[:90], e.count / n, e.self_device_time_total / n,
                                                         e.self_device_time_total / busy_us))
+
+
+
+def breakdown(args):
+    """The whole-run split of translating the first --sentences sentences (module docstring)."""
+    import torch
+    from fairseq import checkpoint_utils
+
+    import ls_fairseq  # noqa: F401 (the plugin)
+    from ls_fairseq.generation import LSSequenceGenerator, sequence_generator
+    from ls_fairseq.generation.cache import DecoderCache
+    from ls_fairseq.generation.graphs import StepGraph
+
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from bench_generate import batches, move
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task([args.checkpoint],
+                                                                     arg_overrides={"data": args.data_bin})
+    model = models[0].to(device)
+    if device == "cuda":
+        model = model.to(getattr(torch, args.dtype))
+    model.eval()
+    task.load_dataset("test")
+    samples = batches(task, model, args.sentences, args.batch_size)
+    generator = LSSequenceGenerator([model], task.target_dictionary, beam_size=args.beam, len_penalty=0.6,
+                                    cuda_graphs=not args.no_cuda_graphs, sync_every=args.sync_every,
+                                    compact_fraction=args.compact_fraction)
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def run_all():
+        sync()
+        start = time.perf_counter()
+        for sample in samples:
+            task.inference_step(generator, [model], move(sample, device))
+        sync()
+        return time.perf_counter() - start
+
+    for sample in samples[:2]:  # untimed, as bench_generate: one-time set-up
+        task.inference_step(generator, [model], move(sample, device))
+    plain = run_all()
+
+    parts, counts, inside = {}, {}, [False]
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            if inside[0]:  # a part within a part (a step inside a graph's run): the outer one counts it
+                return fn(*a, **kw)
+            inside[0] = True
+            sync()
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                sync()
+                parts[name] = parts.get(name, 0.0) + time.perf_counter() - start
+                counts[name] = counts.get(name, 0) + 1
+                inside[0] = False
+        return wrapper
+
+    encoder = type(model.encoder)
+    patched = [(encoder, "forward_torchscript"), (DecoderCache, "__init__"), (LSSequenceGenerator, "_step"),
+               (sequence_generator._State, "results"), (StepGraph, "run")]
+    saved = [(cls, name, cls.__dict__.get(name)) for cls, name in patched]  # None: inherited
+    encoder.forward_torchscript = timed("encoder", encoder.forward_torchscript)
+    DecoderCache.__init__ = timed("caches' set-up", DecoderCache.__init__)
+    LSSequenceGenerator._step = timed("eager steps", LSSequenceGenerator._step)
+    sequence_generator._State.results = timed("hypotheses' assembly", sequence_generator._State.results)
+    graph_run = StepGraph.run
+
+    def classified_run(self, key, step, *rest):
+        """A graph's run, timed as a capture (with its first replay), an eager warm-up or a replay."""
+        captured, fresh = self.captured, key != self.key
+        sync()
+        start = time.perf_counter()
+        inside[0] = True
+        try:
+            return graph_run(self, key, step, *rest)
+        finally:
+            inside[0] = False
+            sync()
+            name = "captures" if self.captured > captured else "eager steps" if fresh else "replays"
+            parts[name] = parts.get(name, 0.0) + time.perf_counter() - start
+            counts[name] = counts.get(name, 0) + 1
+
+    StepGraph.run = classified_run
+    def timed_move(sample, dev):
+        sync()
+        start = time.perf_counter()
+        out = move(sample, dev)
+        sync()
+        parts["input copies"] = parts.get("input copies", 0.0) + time.perf_counter() - start
+        counts["input copies"] = counts.get("input copies", 0) + 1
+        return out
+
+    sync()
+    start = time.perf_counter()
+    for sample in samples:
+        task.inference_step(generator, [model], timed_move(sample, device))
+    sync()
+    total = time.perf_counter() - start
+    for cls, name, fn in saved:
+        if fn is None:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, fn)
+    parts["the rest"] = total - sum(parts.values())
+    print("profile_generate: {} sentences in {} batches of up to {}, beam {}, {} on {}{}: {:.1f} ms plain, "
+          "{:.1f} ms instrumented".format(args.sentences, len(samples), args.batch_size, args.beam,
+                                          str(next(model.parameters()).dtype).replace("torch.", ""), device,
+                                          "" if generator.step_graph and device == "cuda" else " (eager)",
+                                          1e3 * plain, 1e3 * total))
+    print("| part | ms | share | calls |")
+    print("| --- | --- | --- | --- |")
+    for name, seconds in sorted(parts.items(), key=lambda item: -item[1]):
+        print("| {} | {:.1f} | {:.1%} | {} |".format(name, 1e3 * seconds, seconds / total, counts.get(name, "-")))
 
 
 if __name__ == "__main__":

@@ -476,6 +476,23 @@ def test_bench_generate_smoke(data_bin, trained, tmp_path):
     assert (tmp_path / "speedup.png").is_file() or "no matplotlib" in proc.stderr
 
 
+def test_profile_generate_breakdown_parts_add_up(data_bin, trained):
+    """scripts/profile_generate.py --sentences on the CPU: the whole run split into parts (eager steps,
+    encoder, ...) whose times add up to the instrumented total."""
+    import sys
+
+    proc = run([sys.executable, "scripts/profile_generate.py", "--data-bin", str(data_bin / "data-bin"),
+                "--checkpoint", str(trained), "--sentences", "12", "--batch-size", "4"],
+               cwd=USER_DIR.rsplit("/", 1)[0])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    head = re.search(r"12 sentences in 3 batches of up to 4, beam 4, float32 on cpu \(eager\): [0-9.]+ ms plain, "
+                     r"([0-9.]+) ms instrumented", proc.stdout)
+    assert head, proc.stdout[-2000:]
+    parts = dict(re.findall(r"^\| ([a-z][a-z' -]*) \| (-?[0-9.]+) \|", proc.stdout, re.M))
+    assert {"eager steps", "encoder", "caches' set-up", "hypotheses' assembly", "input copies", "the rest"} <= set(parts)
+    assert abs(sum(float(v) for v in parts.values()) - float(head.group(1))) < 0.5
+
+
 # on the GPU (run on an H200)
 
 
