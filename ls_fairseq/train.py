@@ -1,6 +1,6 @@
 """``ls-fairseq-train``: fairseq-train with the plugin loaded, and bf16 on GPUs.
 
-The same command line as fairseq-train. Six differences:
+The same command line as fairseq-train. Seven differences:
 - ``--help`` lists every option that the command line's components take: those
   of the architecture (``--arch``), task, criterion, optimizer and learning-rate
   scheduler (fairseq's help stops before it adds them), then the options of the
@@ -19,7 +19,9 @@ The same command line as fairseq-train. Six differences:
   status instead of an abort;
 - the epoch iterator collates the data's first batch (the trainer's dummy
   batch) once, not again at every epoch boundary while the GPU waits
-  (``ls_fairseq.batching.collate_first_batch_once``).
+  (``ls_fairseq.batching.collate_first_batch_once``);
+- with ``--cpu`` under torchrun, each process joins the launcher's group
+  (``from_cpu_launcher``): fairseq reads torchrun's environment only for GPUs.
 """
 import argparse
 import logging
@@ -142,13 +144,37 @@ def stop_prefetch_threads(timeout=60.0):
                 thread.join(0.01)
 
 
+def from_cpu_launcher(cfg):
+    """Under torchrun (or torch.distributed.launch) with ``--cpu``: this process's place in the
+    launcher's group, from its environment, as fairseq takes it on GPUs (whose version divides the
+    rank by the GPU count, zero here), over gloo (NCCL needs GPUs). ``cfg``: fairseq's
+    distributed_training config, changed in place; nothing changes outside a launcher."""
+    from omegaconf import open_dict
+
+    launched = all(key in os.environ for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"))
+    if not launched or cfg.distributed_init_method is not None or int(os.environ["WORLD_SIZE"]) < 2:
+        return
+    with open_dict(cfg):
+        cfg.distributed_init_method = "env://"
+        cfg.distributed_world_size = int(os.environ["WORLD_SIZE"])
+        cfg.distributed_rank = int(os.environ["RANK"])
+        cfg.device_id = int(os.environ.get("LOCAL_RANK", 0))
+        cfg.distributed_no_spawn = True
+        if cfg.distributed_backend == "nccl":
+            logging.getLogger("ls_fairseq.train").info("--cpu under a launcher: --distributed-backend gloo")
+            cfg.distributed_backend = "gloo"
+
+
 def cli_main():
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.distributed import utils as distributed_utils
 
     log_as_fairseq_train()
     args = parse_args(with_user_dir(sys.argv[1:]))
-    distributed_utils.call_main(convert_namespace_to_omegaconf(args), main)
+    cfg = convert_namespace_to_omegaconf(args)
+    if cfg.common.cpu:
+        from_cpu_launcher(cfg.distributed_training)
+    distributed_utils.call_main(cfg, main)
 
 
 def main(cfg, **kwargs):

@@ -238,6 +238,50 @@ def test_two_gpus_train_resume_and_keep_the_ranks_identical(data_bin, tmp_path, 
     assert re.search(r"Loaded checkpoint .*\(epoch \d+ @ 4 updates\)", log), log[-3000:]
 
 
+def torchrun_two_cpu_ranks(data_bin, tmp_path, *extra, env=None):
+    """ls-fairseq-train --cpu in two processes under torchrun (one node), each rank's update count and
+    parameter checksum written after every update (tests/rank_hooks): (process, seconds)."""
+    import os
+    import time
+
+    from conftest import REPO
+
+    ranks = tmp_path / "ranks"
+    ranks.mkdir(exist_ok=True)
+    cmd = [bin_path("torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "ls_fairseq.train",
+           str(data_bin / "data-bin"), "--user-dir", os.path.join(REPO, "tests", "rank_hooks"),
+           "--save-dir", str(tmp_path / "ckpt")]
+    cmd += TRAIN + ["--ddp-backend", "legacy_ddp", "--disable-validation", "--no-epoch-checkpoints"] + list(extra)
+    start = time.monotonic()
+    proc = run(cmd, env=dict(env or {}, LS_TEST_RANK_DIR=str(ranks)), timeout=600)
+    return proc, time.monotonic() - start
+
+
+def test_two_cpu_ranks_under_torchrun_train_resume_and_keep_the_ranks_identical(data_bin, tmp_path):
+    """The two-GPU test's checks on CPUs over gloo, as torchrun launches a run: rank 0 alone saves, a
+    second run resumes from its update count, and after every update both ranks hold the same
+    parameters."""
+    for stop in (4, 8):
+        proc, _ = torchrun_two_cpu_ranks(data_bin, tmp_path, "--max-update", str(stop))
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 0, log[-3000:]
+        assert "--distributed-backend gloo" in log and len(re.findall(r"Saved checkpoint", log)) == 1, log[-3000:]
+        states = [(tmp_path / "ranks" / "rank{}.txt".format(r)).read_text() for r in (0, 1)]
+        assert states[0] == states[1] and states[0].startswith("{} ".format(stop)), states
+    assert re.search(r"Loaded checkpoint .*\(epoch \d+ @ 4 updates\)", log), log[-3000:]
+
+
+def test_a_killed_rank_ends_the_torchrun_job_with_an_error_naming_it(data_bin, tmp_path):
+    """Rank 1 killed (SIGKILL) after its third update: the other rank does not wait for it in the next
+    all-reduce; the whole job ends within 2 minutes, with torchrun's error naming rank 1's signal."""
+    proc, seconds = torchrun_two_cpu_ranks(data_bin, tmp_path, "--max-update", "400", env={"LS_TEST_KILL": "1 3"})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and seconds < 120, (seconds, log[-3000:])
+    root = log[log.index("Root Cause"):]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: -9", root), root[:2000]
+    assert (tmp_path / "ranks" / "rank0.txt").read_text().split()[0] in ("3", "4")
+
+
 def test_fine_tune_a_stock_model_with_the_plugin(data_bin, tmp_path):
     stock_dir = tmp_path / "stock"
     stock_args = ["--arch", "transformer_tiny", "--share-all-embeddings", "--criterion", "label_smoothed_cross_entropy",

@@ -1,9 +1,11 @@
 """A fairseq --user-dir for the multi-GPU tests: loads the ls_fairseq plugin and,
 after every training step, writes this rank's update count and a checksum of
 its parameters to $LS_TEST_RANK_DIR/rank<R>.txt, so a test can see that the
-data-parallel ranks hold the same parameters."""
+data-parallel ranks hold the same parameters. With $LS_TEST_KILL="R U", rank R
+kills itself (SIGKILL: no handler, no message of its own) after update U."""
 import hashlib
 import os
+import signal
 
 from fairseq.trainer import Trainer
 
@@ -21,6 +23,9 @@ def _train_step_and_record(self, samples, raise_oom=False):
             digest.update(p.detach().float().cpu().numpy().tobytes())
         with open(os.path.join(folder, "rank{}.txt".format(self.data_parallel_rank)), "w") as f:
             f.write("{} {}\n".format(self.get_num_updates(), digest.hexdigest()))
+    kill = os.environ.get("LS_TEST_KILL", "").split()
+    if kill and self.data_parallel_rank == int(kill[0]) and self.get_num_updates() >= int(kill[1]):
+        os.kill(os.getpid(), signal.SIGKILL)
     return out
 
 
