@@ -282,6 +282,17 @@ def test_a_killed_rank_ends_the_torchrun_job_with_an_error_naming_it(data_bin, t
     assert (tmp_path / "ranks" / "rank0.txt").read_text().split()[0] in ("3", "4")
 
 
+def test_a_hung_rank_ends_the_torchrun_job_after_the_heartbeat_timeout(data_bin, tmp_path):
+    """Rank 1 stops after its third update without exiting (what a rank on a lost node looks like to the
+    others): with fairseq's --heartbeat-timeout 15 both ranks end themselves (the other one was
+    waiting in the all-reduce) with fairseq's message, and the job ends within a minute."""
+    proc, seconds = torchrun_two_cpu_ranks(data_bin, tmp_path, "--max-update", "400", "--heartbeat-timeout", "15",
+                                           env={"LS_TEST_HANG": "1 3"})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and seconds < 60, (seconds, log[-3000:])
+    assert "Killing job for not making progress in 15 seconds" in log, log[-3000:]
+
+
 def test_fine_tune_a_stock_model_with_the_plugin(data_bin, tmp_path):
     stock_dir = tmp_path / "stock"
     stock_args = ["--arch", "transformer_tiny", "--share-all-embeddings", "--criterion", "label_smoothed_cross_entropy",

@@ -2,10 +2,12 @@
 after every training step, writes this rank's update count and a checksum of
 its parameters to $LS_TEST_RANK_DIR/rank<R>.txt, so a test can see that the
 data-parallel ranks hold the same parameters. With $LS_TEST_KILL="R U", rank R
-kills itself (SIGKILL: no handler, no message of its own) after update U."""
+kills itself (SIGKILL: no handler, no message of its own) after update U; with
+$LS_TEST_HANG="R U" it stops there (sleeps) without exiting."""
 import hashlib
 import os
 import signal
+import time
 
 from fairseq.trainer import Trainer
 
@@ -26,6 +28,9 @@ def _train_step_and_record(self, samples, raise_oom=False):
     kill = os.environ.get("LS_TEST_KILL", "").split()
     if kill and self.data_parallel_rank == int(kill[0]) and self.get_num_updates() >= int(kill[1]):
         os.kill(os.getpid(), signal.SIGKILL)
+    hang = os.environ.get("LS_TEST_HANG", "").split()
+    if hang and self.data_parallel_rank == int(hang[0]) and self.get_num_updates() >= int(hang[1]):
+        time.sleep(3600)
     return out
 
 
