@@ -1,5 +1,6 @@
 """ls_fairseq.generation: the device-side beam search against fairseq's SequenceGenerator, and
 fairseq-generate / fairseq-interactive through the plugin."""
+import contextlib
 import logging
 import re
 
@@ -623,3 +624,55 @@ def test_gpu_no_host_synchronisation_inside_the_decoding_steps(loaded, monkeypat
         torch.cuda.set_sync_debug_mode("default")
         model.cpu()
     assert len(hypos) == len(batch["id"]) and all(hypos)
+
+
+class _StandInGraph:
+    """torch.cuda.CUDAGraph's part that StepGraph uses, recording what happened (on the CPU)."""
+
+    log = []
+    alive = set()
+
+    def __init__(self):
+        _StandInGraph.alive.add(id(self))
+
+    def __del__(self):
+        _StandInGraph.alive.discard(id(self))
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        # a capture into a pool that no live graph holds is what PyTorch's allocator refuses
+        assert pool is None or _StandInGraph.alive - {id(self)}, "capture into a freed pool"
+        self.log.append("capture")
+
+    def capture_end(self):
+        pass
+
+    def pool(self):
+        return "pool"
+
+    def replay(self):
+        self.log.append("replay")
+
+
+def test_step_graph_warms_up_only_at_a_larger_extent_and_holds_its_pool(monkeypatch):
+    """StepGraph on the CPU with a stand-in for CUDA graphs: a new key is captured at once unless the
+    step's extent is larger than any before (then one eager step first); the graph of the previous
+    key lives until the next capture, so that the pool is never captured into once freed."""
+    from ls_fairseq.generation import graphs
+
+    monkeypatch.setattr(graphs.torch.cuda, "CUDAGraph", _StandInGraph)
+    monkeypatch.setattr(graphs.torch.cuda, "Stream", lambda: None)
+    monkeypatch.setattr(graphs, "on_stream", lambda stream: contextlib.nullcontext())
+    _StandInGraph.log = []
+    graph = graphs.StepGraph()
+
+    def step():
+        _StandInGraph.log.append("eager")
+
+    runs = [("a", 64), ("a", 64), ("a", 64), ("b", 64), ("b", 64), ("c", 128), ("c", 128), ("d", 64)]
+    for key, extent in runs:
+        graph.run(key, step, extent)
+    assert _StandInGraph.log == ["eager", "capture", "eager", "replay", "replay",  # a: warm-up at 64
+                                 "capture", "eager", "replay", "replay",  # b: captured at once
+                                 "eager", "capture", "eager", "replay",  # c: 128 warms up
+                                 "capture", "eager", "replay"]  # d: 64 was warmed
+    assert graph.captured == 4

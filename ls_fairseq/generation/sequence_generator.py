@@ -169,7 +169,8 @@ class LSSequenceGenerator(nn.Module):
             cache.prepare(step)
             if graph is not None and reorder == (k > 1) and self._ordinary(step, max_len, prefix_tokens):
                 graph.run((batch, phase, cache.generation), lambda: self._step(
-                    s, cache, parents, t, t + 1, step, max_len, prefix_tokens, beam_offsets, cand_offsets, reorder))
+                    s, cache, parents, t, t + 1, step, max_len, prefix_tokens, beam_offsets, cand_offsets, reorder),
+                    cache.capacity)
             else:
                 self._step(s, cache, parents, t, step + 1, step, max_len, prefix_tokens, beam_offsets, cand_offsets,
                            reorder)
@@ -184,9 +185,12 @@ class LSSequenceGenerator(nn.Module):
                 if int(done.sum()) >= max(1, compact_fraction * done.numel()):
                     keep = to_device((~done).nonzero().view(-1), device)
                     leave = to_device(done.nonzero().view(-1), device)
-                    parents = parents.view(-1, k)[keep].view(-1)
                     s = s.keep(keep, leave)
                     cache.keep_sentences(keep)
+                    # the kept hypotheses' reorder now, and an identity for the next step's: that step
+                    # then works on the buffers of the steps after it (one CUDA graph serves them all)
+                    cache.reorder(parents.view(-1, k)[keep].view(-1))
+                    parents = torch.arange(keep.numel() * k, device=device)
                     if prefix_tokens is not None:
                         prefix_tokens = prefix_tokens[keep]
                     beam_offsets = beam_offsets[: keep.numel()]
