@@ -290,6 +290,61 @@ def test_an_ordinary_step_reads_the_step_only_from_the_device(few, monkeypatch, 
     assert_same_nbest(ref, out)
 
 
+class _ArgumentGraph:
+    """StepGraph's part on the CPU: a new key's step runs once and its arguments are kept; a replay
+    runs the step again on exactly those (as a CUDA graph's kernels keep the tensors they were
+    captured with, whatever the generator's variables hold by then), the length computed anew from
+    the step tensor."""
+
+    calls = []
+
+    def __init__(self):
+        self.key, self.arguments, self.captured, self.replayed = None, None, [], 0
+
+    def run(self, key, step, extent):
+        if key != self.key:
+            step()
+            self.key, self.arguments = key, _ArgumentGraph.calls[-1]
+            self.captured.append(key)
+            return
+        gen, s, cache, parents, t, _, *rest = self.arguments
+        STEP(gen, s, cache, parents, t, t + 1, *rest)
+        self.replayed += 1
+
+
+STEP = LSSequenceGenerator._step
+
+
+def test_a_batch_of_the_last_ones_shapes_replays_its_graph_on_its_own_tensors(loaded, monkeypatch):
+    """Sentences one at a time in length order: a batch with the shapes of the one before takes that
+    batch's tensors (generation.graphs.Buffers) and, until its first growth, replays that batch's graph.
+    Emulated on the CPU with the arguments of the first step of a key replayed: the same n-best lists
+    as the plain run, with fewer batches' keys captured than batches (and the cache growing past 8
+    positions, a key of its batch's own)."""
+    model, task, _ = loaded
+    dataset = task.dataset("test")
+    order = dataset.ordered_indices()[:24]
+    batches = [dataset.collater([dataset[int(i)]]) for i in order]
+    assert len({b["net_input"]["src_tokens"].shape for b in batches}) < len(batches)
+    monkeypatch.setattr(sequence_generator, "INITIAL_CAPACITY", 8)
+    options = dict(beam_size=4, len_penalty=0.6)
+    ref = translate(LSSequenceGenerator([model], task.target_dictionary, **options), model, batches)
+
+    def recorded(*arguments):
+        _ArgumentGraph.calls.append(arguments)
+        return STEP(*arguments)
+
+    monkeypatch.setattr(LSSequenceGenerator, "_step", recorded)
+    monkeypatch.setattr(sequence_generator, "graphs_on", lambda device: True)
+    gen = LSSequenceGenerator([model], task.target_dictionary, **options)
+    gen.step_graph = _ArgumentGraph()
+    out = translate(gen, model, batches)
+    assert_same_nbest(ref, out)
+    by_shapes = [key for key in gen.step_graph.captured if key[0] == "shapes"]
+    print("{} batches, {} of them shapes (keys) captured".format(len(batches), len(by_shapes)))
+    assert len(by_shapes) < len(batches) and gen.step_graph.replayed > 0
+
+
 def random_pair(**overrides):
     import sys
 

@@ -19,6 +19,9 @@ one capture serves them all.
   freed pool fails (an internal assert of PyTorch's).
 - Capture keeps the memory caches and tolerates other threads' CUDA calls, as the training
   step's graphs do (ls_fairseq.cuda_graphs).
+- A batch's tensors come from ``Buffers``: a batch with the shapes of the one before it (at batch
+  size 1, every sentence of the same source length as the last) takes the same tensors, so that
+  until its first growth or compaction its steps have the key of that batch's and replay its graph.
 """
 import torch
 
@@ -65,3 +68,28 @@ class StepGraph:
             self.graph, self.previous, self.pool = graph, None, self.pool or graph.pool()
             self.captured += 1
         self.graph.replay()
+
+
+class Buffers:
+    """Tensors that keep their memory from one batch to the next. ``take(name, shape, dtype, device)``
+    gives the tensor last taken under ``name`` when shape, dtype and device match (its values are
+    the caller's to set), else a new one, kept for the next call. Nothing that a batch returns may
+    come from here: the next batch overwrites it."""
+
+    def __init__(self):
+        self.kept = {}
+
+    def take(self, name, shape, dtype, device):
+        kept = self.kept.get(name)
+        if kept is None or kept.shape != torch.Size(shape) or kept.dtype != dtype or kept.device != device:
+            kept = self.kept[name] = torch.empty(shape, dtype=dtype, device=device)
+        return kept
+
+    def holding(self, name, tensor):
+        """``tensor``'s values in the tensor taken under ``name`` for its shape."""
+        return self.take(name, tensor.shape, tensor.dtype, tensor.device).copy_(tensor)
+
+
+def new_tensor(name, shape, dtype, device):
+    """``Buffers.take``'s signature for a batch whose tensors need not outlive it (no graphs)."""
+    return torch.empty(shape, dtype=dtype, device=device)
