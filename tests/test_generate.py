@@ -320,7 +320,8 @@ def test_a_batch_of_the_last_ones_shapes_replays_its_graph_on_its_own_tensors(lo
     batch's tensors (generation.graphs.Buffers) and, until its first growth, replays that batch's graph.
     Emulated on the CPU with the arguments of the first step of a key replayed: the same n-best lists
     as the plain run, with fewer batches' keys captured than batches (and the cache growing past 8
-    positions, a key of its batch's own)."""
+    positions, a key of its batch's own), and first steps replayed where a batch's shapes are the
+    last one's."""
     model, task, _ = loaded
     dataset = task.dataset("test")
     order = dataset.ordered_indices()[:24]
@@ -337,12 +338,13 @@ def test_a_batch_of_the_last_ones_shapes_replays_its_graph_on_its_own_tensors(lo
     monkeypatch.setattr(LSSequenceGenerator, "_step", recorded)
     monkeypatch.setattr(sequence_generator, "graphs_on", lambda device: True)
     gen = LSSequenceGenerator([model], task.target_dictionary, **options)
-    gen.step_graph = _ArgumentGraph()
+    gen.step_graph, gen.first_step_graph = _ArgumentGraph(), _ArgumentGraph()
     out = translate(gen, model, batches)
     assert_same_nbest(ref, out)
     by_shapes = [key for key in gen.step_graph.captured if key[0] == "shapes"]
-    print("{} batches, {} of them shapes (keys) captured".format(len(batches), len(by_shapes)))
-    assert len(by_shapes) < len(batches) and gen.step_graph.replayed > 0
+    print("{} batches, {} of them shapes (keys) captured, {} first steps replayed".format(
+        len(batches), len(by_shapes), gen.first_step_graph.replayed))
+    assert len(by_shapes) < len(batches) and gen.step_graph.replayed > 0 and gen.first_step_graph.replayed > 0
 
 
 def random_pair(**overrides):
@@ -613,6 +615,27 @@ def test_gpu_step_graphs_give_the_eager_steps_results(loaded, monkeypatch, dtype
     finally:
         model.float().cpu()
     assert gen.step_graph.captured >= 2
+    assert_same_nbest(eager, graphed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_sentences_one_at_a_time_replay_the_last_ones_graphs(loaded, dtype):
+    """Batches of one sentence in length order on the GPU: those of the last one's shapes replay its
+    graphs (first step and later steps) on the tensors they take over, with the eager run's n-best."""
+    model, task, _ = loaded
+    dataset = task.dataset("test")
+    batches = [dataset.collater([dataset[int(i)]]) for i in dataset.ordered_indices()[:40]]
+    model = model.cuda().to(dtype)
+    try:
+        options = dict(beam_size=4, len_penalty=0.6)
+        eager = translate(LSSequenceGenerator([model], task.target_dictionary, cuda_graphs=False, **options), model,
+                          batches, device="cuda")
+        gen = LSSequenceGenerator([model], task.target_dictionary, **options)
+        graphed = translate(gen, model, batches, device="cuda")
+    finally:
+        model.float().cpu()
+    assert gen.step_graph.captured < len(batches) and gen.first_step_graph.captured >= 1
     assert_same_nbest(eager, graphed)
 
 

@@ -112,7 +112,10 @@ class LSSequenceGenerator(nn.Module):
         self.no_repeat_ngram_size = no_repeat_ngram_size
         self.sync_every, self.compact_fraction = sync_every, compact_fraction
         self.step_graph = StepGraph() if cuda_graphs else None
+        # a batch's first step, in a graph of its own, where batches of one shape follow each other
+        self.first_step_graph = StepGraph() if cuda_graphs else None
         self.buffers = Buffers()  # a batch's tensors, kept for the next batch of the same shapes
+        self.last_shapes = None
         self.model.eval()
 
     @classmethod
@@ -178,10 +181,18 @@ class LSSequenceGenerator(nn.Module):
         # until the batch's first growth or compaction its tensors are the buffers of its shapes: the key
         # of those shapes lets a batch like the last one replay the last one's graph
         shapes = ("shapes", B, src_len, max_len, cache.capacity, cache.encoder_padding is None)
+        # step 0 (no reorder, EOS barred below --min-len) replayed too where the last batch had these
+        # shapes: then the next batches are likely to (fairseq's batches come in length order), and
+        # a batch of shapes seen once captures no graph it will not replay
+        first = graph is not None and shapes == self.last_shapes and prefix_tokens is None and max_len > 0
+        self.last_shapes = shapes if graph is not None else None
         for step in range(max_len + 1):
             t.fill_(step)
             cache.prepare(step)
-            if graph is not None and reorder == (k > 1) and self._ordinary(step, max_len, prefix_tokens):
+            if first and step == 0:
+                self.first_step_graph.run(shapes, lambda: self._step(
+                    s, cache, parents, t, t + 1, 0, max_len, None, beam_offsets, cand_offsets, False), cache.capacity)
+            elif graph is not None and reorder == (k > 1) and self._ordinary(step, max_len, prefix_tokens):
                 key = shapes if phase == 0 and cache.generation == 0 else (batch, phase, cache.generation)
                 graph.run(key, lambda: self._step(
                     s, cache, parents, t, t + 1, step, max_len, prefix_tokens, beam_offsets, cand_offsets, reorder),
