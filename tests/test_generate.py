@@ -315,21 +315,31 @@ class _ArgumentGraph:
 STEP = LSSequenceGenerator._step
 
 
-def test_a_batch_of_the_last_ones_shapes_replays_its_graph_on_its_own_tensors(loaded, monkeypatch):
-    """Sentences one at a time in length order: a batch with the shapes of the one before takes that
-    batch's tensors (generation.graphs.Buffers) and, until its first growth, replays that batch's graph.
-    Emulated on the CPU with the arguments of the first step of a key replayed: the same n-best lists
-    as the plain run, with fewer batches' keys captured than batches (and the cache growing past 8
-    positions, a key of its batch's own), and first steps replayed where a batch's shapes are the
-    last one's."""
+@pytest.mark.parametrize("order", ["length", "two lengths in turn, then prefixes"], ids=["length", "turns"])
+def test_a_batch_of_the_last_ones_shapes_replays_its_graph_on_its_own_tensors(loaded, monkeypatch, order):
+    """Sentences one at a time: a batch with the shapes of the one before takes that batch's tensors
+    (generation.graphs.Buffers) and, until its first growth, replays that batch's graphs (its first
+    step's too). Emulated on the CPU with the arguments of a key's first step replayed: the same n-best
+    lists as the plain run. In length order fewer batches' keys are captured than batches (the cache,
+    growing past 8 positions, adds keys of their batch's own). With two lengths in turn (X, X, Y, X, X,
+    ...) an X after a Y makes its buffers anew, so no graph of an earlier X may be replayed (its
+    first step's included); nor in batches with a prefix, whose histories _force_prefix replaces."""
     model, task, _ = loaded
     dataset = task.dataset("test")
-    order = dataset.ordered_indices()[:24]
-    batches = [dataset.collater([dataset[int(i)]]) for i in order]
+    ordered = [int(i) for i in dataset.ordered_indices()]
+    if order == "length":
+        picked = ordered[:24]
+    else:  # sentences of two source lengths: X, X, Y, X, X, Y, ...
+        sizes = [int(dataset.src_sizes[i]) for i in ordered]
+        a, b = ([i for i, n in zip(ordered, sizes) if n == size] for size in sorted(set(sizes))[2:4])
+        picked = [i for j in range(min(len(a) // 2, len(b), 5)) for i in (a[2 * j], a[2 * j + 1], b[j])]
+    batches = [dataset.collater([dataset[i]]) for i in picked]
     assert len({b["net_input"]["src_tokens"].shape for b in batches}) < len(batches)
     monkeypatch.setattr(sequence_generator, "INITIAL_CAPACITY", 8)
     options = dict(beam_size=4, len_penalty=0.6)
-    ref = translate(LSSequenceGenerator([model], task.target_dictionary, **options), model, batches)
+    prefixes = (0,) if order == "length" else (0, 2)
+    refs = [translate(LSSequenceGenerator([model], task.target_dictionary, **options), model, batches, prefix)
+            for prefix in prefixes]
 
     def recorded(*arguments):
         _ArgumentGraph.calls.append(arguments)
@@ -339,12 +349,16 @@ def test_a_batch_of_the_last_ones_shapes_replays_its_graph_on_its_own_tensors(lo
     monkeypatch.setattr(sequence_generator, "graphs_on", lambda device: True)
     gen = LSSequenceGenerator([model], task.target_dictionary, **options)
     gen.step_graph, gen.first_step_graph = _ArgumentGraph(), _ArgumentGraph()
-    out = translate(gen, model, batches)
-    assert_same_nbest(ref, out)
+    for prefix, ref in zip(prefixes, refs):
+        assert_same_nbest(ref, translate(gen, model, batches, prefix))
     by_shapes = [key for key in gen.step_graph.captured if key[0] == "shapes"]
-    print("{} batches, {} of them shapes (keys) captured, {} first steps replayed".format(
-        len(batches), len(by_shapes), gen.first_step_graph.replayed))
-    assert len(by_shapes) < len(batches) and gen.step_graph.replayed > 0 and gen.first_step_graph.replayed > 0
+    print("{}: {} batches, {} shapes (keys) captured, {} first steps replayed".format(
+        order, len(batches), len(by_shapes), gen.first_step_graph.replayed))
+    if order == "length":
+        assert len(by_shapes) < len(batches) and gen.step_graph.replayed > 0 and gen.first_step_graph.replayed > 0
+    else:  # the second X of each pair captured its first step anew (its buffers were made after a Y)
+        first = gen.first_step_graph
+        assert len(first.captured) == len(set(first.captured)) == len(picked) // 3 and first.replayed == 0
 
 
 def random_pair(**overrides):

@@ -78,11 +78,13 @@ class Buffers:
 
     def __init__(self):
         self.kept = {}
+        self.made = 0  # tensors made so far: a graph of tensors taken before a change of it is stale
 
     def take(self, name, shape, dtype, device):
         kept = self.kept.get(name)
         if kept is None or kept.shape != torch.Size(shape) or kept.dtype != dtype or kept.device != device:
             kept = self.kept[name] = torch.empty(shape, dtype=dtype, device=device)
+            self.made += 1
         return kept
 
     def holding(self, name, tensor):

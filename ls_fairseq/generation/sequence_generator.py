@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from ls_fairseq.generation.cache import DecoderCache
 from ls_fairseq.generation.graphs import Buffers, StepGraph, new_tensor
 from ls_fairseq.ops.beam_select import beam_select
+from ls_fairseq.ops.embedding import sinusoid_tables_made
 
 INITIAL_CAPACITY = 64  # self-attention cache positions before the first doubling
 _BATCHES = itertools.count()  # a number per batch, in the keys of the step's CUDA graphs
@@ -178,14 +179,20 @@ class LSSequenceGenerator(nn.Module):
         parents = take("parents", (B * k,), torch.long, device).zero_()  # each hypothesis's, for the next step
         t = take("t", (), torch.long, device)  # the step, where the step's ops read it
         reorder, batch, phase = False, next(_BATCHES), 0
-        # until the batch's first growth or compaction its tensors are the buffers of its shapes: the key
-        # of those shapes lets a batch like the last one replay the last one's graph
-        shapes = ("shapes", B, src_len, max_len, cache.capacity, cache.encoder_padding is None)
+        # until the batch's first growth or compaction its tensors are the buffers of its shapes (not with
+        # a prefix: _force_prefix replaces the histories), and the key of those shapes lets a batch like
+        # the last one replay the last one's graph. The key also holds what such a graph reads besides:
+        # the buffers as taken (none made since), the weights where they are, the sinusoid tables as made
+        shapes = None
+        if buffers is not None and prefix_tokens is None:
+            weights = hash(tuple(p.data_ptr() for p in self.model.parameters()))
+            shapes = ("shapes", B, src_len, max_len, cache.capacity, cache.encoder_padding is None, buffers.made,
+                      weights, sinusoid_tables_made())
         # step 0 (no reorder, EOS barred below --min-len) replayed too where the last batch had these
         # shapes: then the next batches are likely to (fairseq's batches come in length order), and
         # a batch of shapes seen once captures no graph it will not replay
-        first = graph is not None and shapes == self.last_shapes and prefix_tokens is None and max_len > 0
-        self.last_shapes = shapes if graph is not None else None
+        first = shapes is not None and shapes == self.last_shapes and max_len > 0
+        self.last_shapes = shapes
         for step in range(max_len + 1):
             t.fill_(step)
             cache.prepare(step)
@@ -193,7 +200,7 @@ class LSSequenceGenerator(nn.Module):
                 self.first_step_graph.run(shapes, lambda: self._step(
                     s, cache, parents, t, t + 1, 0, max_len, None, beam_offsets, cand_offsets, False), cache.capacity)
             elif graph is not None and reorder == (k > 1) and self._ordinary(step, max_len, prefix_tokens):
-                key = shapes if phase == 0 and cache.generation == 0 else (batch, phase, cache.generation)
+                key = shapes if shapes and phase == 0 and cache.generation == 0 else (batch, phase, cache.generation)
                 graph.run(key, lambda: self._step(
                     s, cache, parents, t, t + 1, step, max_len, prefix_tokens, beam_offsets, cand_offsets, reorder),
                     cache.capacity)
