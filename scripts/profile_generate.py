@@ -103,7 +103,6 @@ def main(argv=None):
                                                         e.self_device_time_total / busy_us))
 
 
-
 def breakdown(args):
     """The whole-run split of translating the first --sentences sentences (module docstring)."""
     import torch
@@ -148,19 +147,24 @@ def breakdown(args):
 
     parts, counts, inside = {}, {}, [False]
 
+    def begin():
+        sync()
+        return time.perf_counter()
+
+    def add(name, start):
+        sync()
+        parts[name] = parts.get(name, 0.0) + time.perf_counter() - start
+        counts[name] = counts.get(name, 0) + 1
+
     def timed(name, fn):
         def wrapper(*a, **kw):
             if inside[0]:  # a part within a part (a step inside a graph's run): the outer one counts it
                 return fn(*a, **kw)
-            inside[0] = True
-            sync()
-            start = time.perf_counter()
+            inside[0], start = True, begin()
             try:
                 return fn(*a, **kw)
             finally:
-                sync()
-                parts[name] = parts.get(name, 0.0) + time.perf_counter() - start
-                counts[name] = counts.get(name, 0) + 1
+                add(name, start)
                 inside[0] = False
         return wrapper
 
@@ -177,27 +181,15 @@ def breakdown(args):
     def classified_run(self, key, step, *rest):
         """A graph's run, timed as a capture (with its first replay), an eager warm-up or a replay."""
         captured, fresh = self.captured, key != self.key
-        sync()
-        start = time.perf_counter()
-        inside[0] = True
+        inside[0], start = True, begin()
         try:
             return graph_run(self, key, step, *rest)
         finally:
+            add("captures" if self.captured > captured else "eager steps" if fresh else "replays", start)
             inside[0] = False
-            sync()
-            name = "captures" if self.captured > captured else "eager steps" if fresh else "replays"
-            parts[name] = parts.get(name, 0.0) + time.perf_counter() - start
-            counts[name] = counts.get(name, 0) + 1
 
     StepGraph.run = classified_run
-    def timed_move(sample, dev):
-        sync()
-        start = time.perf_counter()
-        out = move(sample, dev)
-        sync()
-        parts["input copies"] = parts.get("input copies", 0.0) + time.perf_counter() - start
-        counts["input copies"] = counts.get("input copies", 0) + 1
-        return out
+    timed_move = timed("input copies", move)
 
     sync()
     start = time.perf_counter()
