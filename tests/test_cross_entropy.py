@@ -78,6 +78,21 @@ def test_kernel_matches_reference(dtype, N, V):
     assert torch.equal(summed, full)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_nll_of_a_confident_row_keeps_its_digits(dtype):
+    """Two classes, the target the larger logit by ~20: nll is ~1e-9, and lse - x_t (two numbers near
+    the logit) would lose it; the kernel's nll and loss by the fp32 rule against PyTorch's own."""
+    logits = (torch.randn(7, 2, device="cuda") * 10).sort(dim=1, descending=True).values.to(dtype)
+    target = torch.zeros(7, dtype=torch.long, device="cuda")  # class 0, the larger (1 is the padding index)
+    ext = kernel("cross_entropy", logits)
+    loss, nll, _ = ext.cross_entropy_forward(logits, target, 0.0, PAD)
+    ref64 = cross_entropy_forward_reference(logits.double(), target, 0.0, PAD)
+    ref_l = cross_entropy_forward_reference(logits, target, 0.0, PAD)
+    check_kernel(loss, ref64[0], ref_l[0], "loss")
+    check_kernel(nll, ref64[1], ref_l[1], "nll")
+
+
 def test_overwrite_logits_puts_the_gradient_in_their_place():
     """The criterion's setting: the logits' gradient is written over the logits (no second
     [tokens x vocab] buffer), equal to the gradient computed into a new tensor."""

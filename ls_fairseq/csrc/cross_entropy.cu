@@ -4,7 +4,8 @@
 // sum of exponentials (online logsumexp) and the sum of the logits, and writes
 // three fp32 numbers: loss, nll and lse. The [tokens x vocab] log-probabilities
 // are never written, in any precision. With V the vocabulary, eps_i = eps / (V - 1):
-//   nll = lse - x_t, smooth = V * lse - sum_j x_j,
+//   nll = (max_j x_j - x_t) + log(sum_j exp(x_j - max_j x_j)) (lse - x_t without the rounding of
+//   lse: where x_t is the maximum and the rest far below, nll is tiny), smooth = V * lse - sum_j x_j,
 //   loss = (1 - eps - eps_i) * nll + eps_i * smooth (0 where target = padding).
 // Backward reads the row once more and writes the gradient in the logits' dtype, over
 // the logits themselves when the caller allows (LightSeq2 reuses that buffer too):
@@ -76,7 +77,7 @@ __global__ void ce_forward_kernel(const T* __restrict__ logits, const int64_t* _
       nll[row] = 0.f;
     } else {
       const float eps_i = epsilon / (vocab - 1);
-      const float n = lse - to_f(x[t]);
+      const float n = (m - to_f(x[t])) + logf(s);
       nll[row] = n;
       loss[row] = (1.f - epsilon - eps_i) * n + eps_i * (float(vocab) * lse - sumx);
     }
