@@ -310,3 +310,19 @@ def test_fused_kernel_rejects_what_it_cannot_run():
     wide = torch.randn(2, 2, 8, 80, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="d_head contiguous"):
         ext.attention_forward(wide, wide, wide, None, False, 0.0)
+
+
+@pytest.mark.parametrize("causal,Tq,Tk", [(False, 1, 9), (True, 3, 9), (True, 9, 9)])
+def test_a_refreshed_mask_equals_a_new_one_in_the_same_memory(causal, Tq, Tk):
+    """AttentionMask.refresh after new padding was copied into its key_padding_mask: the additive masks
+    it made before hold the new padding's values, where they were (a CUDA graph keeps reading them)."""
+    padding = torch.zeros(2, Tk, dtype=torch.bool)
+    padding[0, :3] = True
+    mask = ops.AttentionMask(padding, causal=causal)
+    before, _ = mask.sdpa_arguments(Tq, Tk, torch.float32, "cpu")
+    where = before.data_ptr()
+    padding.copy_(torch.flip(padding, [0]))
+    mask.refresh()
+    after, _ = mask.sdpa_arguments(Tq, Tk, torch.float32, "cpu")
+    fresh, _ = ops.AttentionMask(padding.clone(), causal=causal).sdpa_arguments(Tq, Tk, torch.float32, "cpu")
+    assert after.data_ptr() == where and torch.equal(after, fresh) and not torch.equal(fresh[0], fresh[1])

@@ -1,5 +1,6 @@
 """ls_fairseq.generation: the device-side beam search against fairseq's SequenceGenerator, and
 fairseq-generate / fairseq-interactive through the plugin."""
+import contextlib
 import logging
 import re
 
@@ -289,6 +290,77 @@ def test_an_ordinary_step_reads_the_step_only_from_the_device(few, monkeypatch, 
     assert_same_nbest(ref, out)
 
 
+class _ArgumentGraph:
+    """StepGraph's part on the CPU: a new key's step runs once and its arguments are kept; a replay
+    runs the step again on exactly those (as a CUDA graph's kernels keep the tensors they were
+    captured with, whatever the generator's variables hold by then), the length computed anew from
+    the step tensor."""
+
+    calls = []
+
+    def __init__(self):
+        self.key, self.arguments, self.captured, self.replayed = None, None, [], 0
+
+    def run(self, key, step, extent):
+        if key != self.key:
+            step()
+            self.key, self.arguments = key, _ArgumentGraph.calls[-1]
+            self.captured.append(key)
+            return
+        gen, s, cache, parents, t, _, *rest = self.arguments
+        STEP(gen, s, cache, parents, t, t + 1, *rest)
+        self.replayed += 1
+
+
+STEP = LSSequenceGenerator._step
+
+
+@pytest.mark.parametrize("order", ["length", "two lengths in turn, then prefixes"], ids=["length", "turns"])
+def test_a_batch_of_the_last_ones_shapes_replays_its_graph_on_its_own_tensors(loaded, monkeypatch, order):
+    """Sentences one at a time: a batch with the shapes of the one before takes that batch's tensors
+    (generation.graphs.Buffers) and, until its first growth, replays that batch's graphs (its first
+    step's too). Emulated on the CPU with the arguments of a key's first step replayed: the same n-best
+    lists as the plain run. In length order fewer batches' keys are captured than batches (the cache,
+    growing past 8 positions, adds keys of their batch's own). With two lengths in turn (X, X, Y, X, X,
+    ...) an X after a Y makes its buffers anew, so no graph of an earlier X may be replayed (its
+    first step's included); nor in batches with a prefix, whose histories _force_prefix replaces."""
+    model, task, _ = loaded
+    dataset = task.dataset("test")
+    ordered = [int(i) for i in dataset.ordered_indices()]
+    if order == "length":
+        picked = ordered[:24]
+    else:  # sentences of two source lengths: X, X, Y, X, X, Y, ...
+        sizes = [int(dataset.src_sizes[i]) for i in ordered]
+        a, b = ([i for i, n in zip(ordered, sizes) if n == size] for size in sorted(set(sizes))[2:4])
+        picked = [i for j in range(min(len(a) // 2, len(b), 5)) for i in (a[2 * j], a[2 * j + 1], b[j])]
+    batches = [dataset.collater([dataset[i]]) for i in picked]
+    assert len({b["net_input"]["src_tokens"].shape for b in batches}) < len(batches)
+    monkeypatch.setattr(sequence_generator, "INITIAL_CAPACITY", 8)
+    options = dict(beam_size=4, len_penalty=0.6)
+    prefixes = (0,) if order == "length" else (0, 2)
+    refs = [translate(LSSequenceGenerator([model], task.target_dictionary, **options), model, batches, prefix)
+            for prefix in prefixes]
+
+    def recorded(*arguments):
+        _ArgumentGraph.calls.append(arguments)
+        return STEP(*arguments)
+
+    monkeypatch.setattr(LSSequenceGenerator, "_step", recorded)
+    monkeypatch.setattr(sequence_generator, "graphs_on", lambda device: True)
+    gen = LSSequenceGenerator([model], task.target_dictionary, **options)
+    gen.step_graph, gen.first_step_graph = _ArgumentGraph(), _ArgumentGraph()
+    for prefix, ref in zip(prefixes, refs):
+        assert_same_nbest(ref, translate(gen, model, batches, prefix))
+    by_shapes = [key for key in gen.step_graph.captured if key[0] == "shapes"]
+    print("{}: {} batches, {} shapes (keys) captured, {} first steps replayed".format(
+        order, len(batches), len(by_shapes), gen.first_step_graph.replayed))
+    if order == "length":
+        assert len(by_shapes) < len(batches) and gen.step_graph.replayed > 0 and gen.first_step_graph.replayed > 0
+    else:  # the second X of each pair captured its first step anew (its buffers were made after a Y)
+        first = gen.first_step_graph
+        assert len(first.captured) == len(set(first.captured)) == len(picked) // 3 and first.replayed == 0
+
+
 def random_pair(**overrides):
     import sys
 
@@ -561,6 +633,27 @@ def test_gpu_step_graphs_give_the_eager_steps_results(loaded, monkeypatch, dtype
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_sentences_one_at_a_time_replay_the_last_ones_graphs(loaded, dtype):
+    """Batches of one sentence in length order on the GPU: those of the last one's shapes replay its
+    graphs (first step and later steps) on the tensors they take over, with the eager run's n-best."""
+    model, task, _ = loaded
+    dataset = task.dataset("test")
+    batches = [dataset.collater([dataset[int(i)]]) for i in dataset.ordered_indices()[:40]]
+    model = model.cuda().to(dtype)
+    try:
+        options = dict(beam_size=4, len_penalty=0.6)
+        eager = translate(LSSequenceGenerator([model], task.target_dictionary, cuda_graphs=False, **options), model,
+                          batches, device="cuda")
+        gen = LSSequenceGenerator([model], task.target_dictionary, **options)
+        graphed = translate(gen, model, batches, device="cuda")
+    finally:
+        model.float().cpu()
+    assert gen.step_graph.captured < len(batches) and gen.first_step_graph.captured >= 1
+    assert_same_nbest(eager, graphed)
+
+
+@pytest.mark.gpu
 def test_gpu_fp32_nbest_equals_fairseqs_sequence_generator(loaded):
     """fp32 on the GPU: the same n-best lists but for near-ties, which other kernels' rounding can order
     differently (at most 2 of 200 sentences, and then the best scores within 1e-4)."""
@@ -623,3 +716,55 @@ def test_gpu_no_host_synchronisation_inside_the_decoding_steps(loaded, monkeypat
         torch.cuda.set_sync_debug_mode("default")
         model.cpu()
     assert len(hypos) == len(batch["id"]) and all(hypos)
+
+
+class _StandInGraph:
+    """torch.cuda.CUDAGraph's part that StepGraph uses, recording what happened (on the CPU)."""
+
+    log = []
+    alive = set()
+
+    def __init__(self):
+        _StandInGraph.alive.add(id(self))
+
+    def __del__(self):
+        _StandInGraph.alive.discard(id(self))
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        # a capture into a pool that no live graph holds is what PyTorch's allocator refuses
+        assert pool is None or _StandInGraph.alive - {id(self)}, "capture into a freed pool"
+        self.log.append("capture")
+
+    def capture_end(self):
+        pass
+
+    def pool(self):
+        return "pool"
+
+    def replay(self):
+        self.log.append("replay")
+
+
+def test_step_graph_warms_up_only_at_a_larger_extent_and_holds_its_pool(monkeypatch):
+    """StepGraph on the CPU with a stand-in for CUDA graphs: a new key is captured at once unless the
+    step's extent is larger than any before (then one eager step first); the graph of the previous
+    key lives until the next capture, so that the pool is never captured into once freed."""
+    from ls_fairseq.generation import graphs
+
+    monkeypatch.setattr(graphs.torch.cuda, "CUDAGraph", _StandInGraph)
+    monkeypatch.setattr(graphs.torch.cuda, "Stream", lambda: None)
+    monkeypatch.setattr(graphs, "on_stream", lambda stream: contextlib.nullcontext())
+    _StandInGraph.log = []
+    graph = graphs.StepGraph()
+
+    def step():
+        _StandInGraph.log.append("eager")
+
+    runs = [("a", 64), ("a", 64), ("a", 64), ("b", 64), ("b", 64), ("c", 128), ("c", 128), ("d", 64)]
+    for key, extent in runs:
+        graph.run(key, step, extent)
+    assert _StandInGraph.log == ["eager", "capture", "eager", "replay", "replay",  # a: warm-up at 64
+                                 "capture", "eager", "replay", "replay",  # b: captured at once
+                                 "eager", "capture", "eager", "replay",  # c: 128 warms up
+                                 "capture", "eager", "replay"]  # d: 64 was warmed
+    assert graph.captured == 4

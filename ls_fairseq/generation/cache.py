@@ -21,19 +21,42 @@ from ls_fairseq.ops.decode_attention import decode_attention
 
 
 class DecoderCache:
-    def __init__(self, decoder, encoder_out, beam_size, capacity, limit=None):
+    def __init__(self, decoder, encoder_out, beam_size, capacity, limit=None, buffers=None):
+        """``buffers``: a generation.graphs.Buffers that the first buffers come from (so that a batch
+        of the same shapes as the last one reuses them), or None for new ones."""
         self.beam_size = beam_size
         self.encoder_kv = list(decoder._encoder_keys_values(encoder_out))
         padding = encoder_out["encoder_padding_mask"]
         self.encoder_padding = padding[0] if padding else None
-        self.encoder_mask = ops.AttentionMask(self.encoder_padding)
         B, H, _, D = self.encoder_kv[0].shape
         N = B * beam_size
-        self.kv = self.encoder_kv[0].new_empty(capacity, len(self.encoder_kv), N, H, D)
-        self.origin = torch.zeros(N, capacity, dtype=torch.int32, device=self.kv.device)
-        self.slots = torch.arange(N, dtype=torch.int32, device=self.kv.device)
+        if buffers is None:
+            self.encoder_mask = ops.AttentionMask(self.encoder_padding)
+            self.kv = self.encoder_kv[0].new_empty(capacity, len(self.encoder_kv), N, H, D)
+            self.origin = torch.zeros(N, capacity, dtype=torch.int32, device=self.kv.device)
+            self.slots = torch.arange(N, dtype=torch.int32, device=self.kv.device)
+        else:
+            self._from_buffers(buffers, capacity)
         self.limit = limit
         self.generation = 0  # how often the buffers were replaced (a CUDA graph of the step keys on it)
+
+    def _from_buffers(self, buffers, capacity):
+        self.encoder_kv = [buffers.holding("encoder_kv{}".format(i), t) for i, t in enumerate(self.encoder_kv)]
+        if self.encoder_padding is not None:
+            self.encoder_padding = buffers.holding("encoder_padding", self.encoder_padding)
+        mask = buffers.kept.get("encoder_mask")
+        if mask is not None and mask.key_padding_mask is self.encoder_padding:
+            mask.refresh()  # the masks it made before, made again from this batch's padding, in place
+        else:
+            mask = buffers.kept["encoder_mask"] = ops.AttentionMask(self.encoder_padding)
+        self.encoder_mask = mask
+        first = self.encoder_kv[0]
+        B, H, _, D = first.shape
+        N = B * self.beam_size
+        self.kv = buffers.take("kv", (capacity, len(self.encoder_kv), N, H, D), first.dtype, first.device)
+        self.origin = buffers.take("origin", (N, capacity), torch.int32, first.device).zero_()
+        self.slots = buffers.take("slots", (N,), torch.int32, first.device)
+        torch.arange(N, dtype=torch.int32, out=self.slots)
 
     def encoder(self, layer):
         """(keys, values, AttentionMask) of the encoder output for ``layer``: [sentences, heads, S, d_head]."""

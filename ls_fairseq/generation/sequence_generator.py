@@ -38,11 +38,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ls_fairseq.generation.cache import DecoderCache
-from ls_fairseq.generation.graphs import StepGraph
+from ls_fairseq.generation.graphs import Buffers, StepGraph, new_tensor
 from ls_fairseq.ops.beam_select import beam_select
+from ls_fairseq.ops.embedding import sinusoid_tables_made
 
 INITIAL_CAPACITY = 64  # self-attention cache positions before the first doubling
 _BATCHES = itertools.count()  # a number per batch, in the keys of the step's CUDA graphs
+
+
+def graphs_on(device):
+    """Whether the ordinary steps on ``device`` run through the generator's StepGraph: on GPUs."""
+    return device.type == "cuda"
 
 
 def host_read(tensor):
@@ -107,6 +113,10 @@ class LSSequenceGenerator(nn.Module):
         self.no_repeat_ngram_size = no_repeat_ngram_size
         self.sync_every, self.compact_fraction = sync_every, compact_fraction
         self.step_graph = StepGraph() if cuda_graphs else None
+        # a batch's first step, in a graph of its own, where batches of one shape follow each other
+        self.first_step_graph = StepGraph() if cuda_graphs else None
+        self.buffers = Buffers()  # a batch's tensors, kept for the next batch of the same shapes
+        self.last_shapes = None
         self.model.eval()
 
     @classmethod
@@ -154,22 +164,46 @@ class LSSequenceGenerator(nn.Module):
         if compact_fraction is None:
             compact_fraction = 0.0 if device.type == "cpu" else 0.25
 
+        graph = self.step_graph if graphs_on(device) else None
+        buffers = self.buffers if graph is not None else None
+        take = buffers.take if buffers is not None else new_tensor
         encoder_out = self.model.encoder.forward_torchscript(net_input)
-        cache = DecoderCache(self.model.decoder, encoder_out, k, min(INITIAL_CAPACITY, max_len + 1), max_len + 1)
-        s = _State.start(B, k, max_len + 1, device, self.pad)
+        cache = DecoderCache(self.model.decoder, encoder_out, k, min(INITIAL_CAPACITY, max_len + 1), max_len + 1,
+                             buffers)
+        s = _State.start(B, k, max_len + 1, device, self.pad, take)
         s.tokens[:, 0] = self.eos if bos_token is None else bos_token
-        beam_offsets = torch.arange(B, device=device)[:, None] * k
-        cand_offsets = torch.arange(2 * k, device=device)
-        parents = torch.zeros(B * k, dtype=torch.long, device=device)  # each hypothesis's, for the next step
-        t = torch.zeros((), dtype=torch.long, device=device)  # the step, where the step's ops read it
+        beam_offsets = take("beam_offsets", (B, 1), torch.long, device)
+        torch.arange(0, B * k, k, device=device, out=beam_offsets.view(-1))
+        cand_offsets = take("cand_offsets", (2 * k,), torch.long, device)
+        torch.arange(2 * k, device=device, out=cand_offsets)
+        parents = take("parents", (B * k,), torch.long, device).zero_()  # each hypothesis's, for the next step
+        t = take("t", (), torch.long, device)  # the step, where the step's ops read it
         reorder, batch, phase = False, next(_BATCHES), 0
-        graph = self.step_graph if device.type == "cuda" else None
+        # until the batch's first growth or compaction its tensors are the buffers of its shapes (not with
+        # a prefix: _force_prefix replaces the histories), and the key of those shapes lets a batch like
+        # the last one replay the last one's graph. The key also holds what such a graph reads besides:
+        # the buffers as taken (none made since), the weights where they are, the sinusoid tables as made
+        shapes = None
+        if buffers is not None and prefix_tokens is None:
+            weights = hash(tuple(p.data_ptr() for p in self.model.parameters()))
+            shapes = ("shapes", B, src_len, max_len, cache.capacity, cache.encoder_padding is None, buffers.made,
+                      weights, sinusoid_tables_made())
+        # step 0 (no reorder, EOS barred below --min-len) replayed too where the last batch had these
+        # shapes: then the next batches are likely to (fairseq's batches come in length order), and
+        # a batch of shapes seen once captures no graph it will not replay
+        first = shapes is not None and shapes == self.last_shapes and max_len > 0
+        self.last_shapes = shapes
         for step in range(max_len + 1):
             t.fill_(step)
             cache.prepare(step)
-            if graph is not None and reorder == (k > 1) and self._ordinary(step, max_len, prefix_tokens):
-                graph.run((batch, phase, cache.generation), lambda: self._step(
-                    s, cache, parents, t, t + 1, step, max_len, prefix_tokens, beam_offsets, cand_offsets, reorder))
+            if first and step == 0:
+                self.first_step_graph.run(shapes, lambda: self._step(
+                    s, cache, parents, t, t + 1, 0, max_len, None, beam_offsets, cand_offsets, False), cache.capacity)
+            elif graph is not None and reorder == (k > 1) and self._ordinary(step, max_len, prefix_tokens):
+                key = shapes if shapes and phase == 0 and cache.generation == 0 else (batch, phase, cache.generation)
+                graph.run(key, lambda: self._step(
+                    s, cache, parents, t, t + 1, step, max_len, prefix_tokens, beam_offsets, cand_offsets, reorder),
+                    cache.capacity)
             else:
                 self._step(s, cache, parents, t, step + 1, step, max_len, prefix_tokens, beam_offsets, cand_offsets,
                            reorder)
@@ -184,9 +218,12 @@ class LSSequenceGenerator(nn.Module):
                 if int(done.sum()) >= max(1, compact_fraction * done.numel()):
                     keep = to_device((~done).nonzero().view(-1), device)
                     leave = to_device(done.nonzero().view(-1), device)
-                    parents = parents.view(-1, k)[keep].view(-1)
                     s = s.keep(keep, leave)
                     cache.keep_sentences(keep)
+                    # the kept hypotheses' reorder now, and an identity for the next step's: that step
+                    # then works on the buffers of the steps after it (one CUDA graph serves them all)
+                    cache.reorder(parents.view(-1, k)[keep].view(-1))
+                    parents = torch.arange(keep.numel() * k, device=device)
                     if prefix_tokens is not None:
                         prefix_tokens = prefix_tokens[keep]
                     beam_offsets = beam_offsets[: keep.numel()]
@@ -323,22 +360,25 @@ class _State:
         self.__dict__.update(tensors)
 
     @classmethod
-    def start(cls, B, k, L, device, pad):
+    def start(cls, B, k, L, device, pad, take=new_tensor):
+        """The state at step 0; ``take``: where its tensors come from (generation.graphs.Buffers.take
+        when they must keep their memory from batch to batch)."""
         N = B * k
-        cum = torch.zeros(B, k, device=device)
-        cum[:, 1:] = -math.inf
+        cum = take("cum", (N,), torch.float32, device)
+        cum.view(B, k)[:, 0] = 0.0
+        cum.view(B, k)[:, 1:] = -math.inf
         s = cls(
             k,
-            tokens=torch.full((N, L + 1), pad, dtype=torch.long, device=device),
-            scores=torch.zeros(N, L, device=device),
-            cum=cum.view(-1),
-            done=torch.zeros(B, dtype=torch.bool, device=device),
-            count=torch.zeros(B, dtype=torch.long, device=device),
+            tokens=take("tokens", (N, L + 1), torch.long, device).fill_(pad),
+            scores=take("scores", (N, L), torch.float32, device).zero_(),
+            cum=cum,
+            done=take("done", (B,), torch.bool, device).zero_(),
+            count=take("count", (B,), torch.long, device).zero_(),
             # k + 1 slots: the last takes the candidates that are not kept
-            fin_tokens=torch.full((B, k + 1, L), pad, dtype=torch.long, device=device),
-            fin_positional=torch.zeros(B, k + 1, L, device=device),
-            fin_score=torch.full((B, k + 1), -math.inf, device=device),
-            fin_length=torch.zeros(B, k + 1, dtype=torch.long, device=device),
+            fin_tokens=take("fin_tokens", (B, k + 1, L), torch.long, device).fill_(pad),
+            fin_positional=take("fin_positional", (B, k + 1, L), torch.float32, device).zero_(),
+            fin_score=take("fin_score", (B, k + 1), torch.float32, device).fill_(-math.inf),
+            fin_length=take("fin_length", (B, k + 1), torch.long, device).zero_(),
             sentence=torch.arange(B, device=device),
         )
         s.out = [torch.empty_like(getattr(s, name)) for name in cls.RESULTS]

@@ -80,17 +80,28 @@ class AttentionMask:
             self._sdpa[key] = self._make_sdpa_arguments(Tq, Tk, dtype, device)
         return self._sdpa[key]
 
-    def _make_sdpa_arguments(self, Tq, Tk, dtype, device):
+    def refresh(self):
+        """After new values were copied into ``key_padding_mask`` in place: the additive masks made so
+        far are made again where they are (a CUDA graph that read them reads the new ones)."""
+        for (Tq, Tk, dtype, device), (mask, _) in self._sdpa.items():
+            if mask is not None:
+                mask.zero_().masked_fill_(self._hidden(Tq, Tk, device), float("-inf"))
+
+    def _hidden(self, Tq, Tk, device):
+        """Where a query of Tq may not see a key of Tk (broadcastable to [batch, 1, Tq, Tk]), None for
+        nowhere."""
         kpm = self.key_padding_mask
         if not self.causal or (kpm is None and Tq == Tk):
-            if kpm is None:
-                return None, self.causal
-            hidden = kpm.bool()[:, None, None, :]
-        else:  # causal with padding, or with a cache (Tq < Tk): query i sees keys j <= i + Tk - Tq
-            i = torch.arange(Tq, device=device)[:, None]
-            hidden = torch.arange(Tk, device=device)[None, :] > i + (Tk - Tq)
-            if kpm is not None:
-                hidden = hidden | kpm.bool()[:, None, None, :]
+            return None if kpm is None else kpm.bool()[:, None, None, :]
+        # causal with padding, or with a cache (Tq < Tk): query i sees keys j <= i + Tk - Tq
+        i = torch.arange(Tq, device=device)[:, None]
+        hidden = torch.arange(Tk, device=device)[None, :] > i + (Tk - Tq)
+        return hidden if kpm is None else hidden | kpm.bool()[:, None, None, :]
+
+    def _make_sdpa_arguments(self, Tq, Tk, dtype, device):
+        hidden = self._hidden(Tq, Tk, device)
+        if hidden is None:
+            return None, self.causal
         aligned = torch.zeros(hidden.shape[:-1] + ((Tk + 15) // 16 * 16,), dtype=dtype, device=device)
         mask = aligned[..., :Tk]
         mask.masked_fill_(hidden, float("-inf"))

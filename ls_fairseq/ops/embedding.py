@@ -41,6 +41,7 @@ def sinusoidal(positions, dim, padding_idx):
 
 
 _sinusoid_tables = {}
+_tables_made = [0]
 
 
 def sinusoid_table(rows, dim, padding_idx, dtype, device):
@@ -51,7 +52,14 @@ def sinusoid_table(rows, dim, padding_idx, dtype, device):
         n = max(rows, 2 * table.shape[0] if table is not None else 1024)
         table = sinusoidal(torch.arange(n, device=device), dim, padding_idx).to(dtype)
         _sinusoid_tables[key] = table
+        _tables_made[0] += 1
     return table
+
+
+def sinusoid_tables_made():
+    """How many sinusoid tables were made so far: a table it replaced is freed, so a CUDA graph that
+    read the old one must not be replayed once this count has changed."""
+    return _tables_made[0]
 
 
 def position_bound(tokens, padding_idx, max_position=None):
