@@ -13,7 +13,9 @@ the CPU (fairseq-on-ls with --fairseq-on-ls only). Every system is timed the sam
 length-sorted batches of --batch-size sentences), from the first batch to the last hypothesis,
 the GPU synchronised at both ends, after an untimed pass over the first batches (CUDA's and
 cuBLAS's one-time set-up); target tokens counted as fairseq-generate counts them (the best
-hypothesis's, EOS included). Per point also BLEU (sacrebleu, detokenized) and the peak GPU memory.
+hypothesis's, EOS included). Per point also BLEU (sacrebleu, detokenized) and the peak GPU memory
+of the system as if it were alone on the GPU: its model's weights and the most its translation held
+besides (the other systems' copies of the weights, resident for the benchmark, are not counted).
 Writes the logs of data preparation and training, results.json (after every point, so an
 interrupted run keeps what it measured), results.md (the table, printed last) and speedup.png into
 --out (default $OUT, else a new folder under /tmp). Points are measured in the order given; once
@@ -124,13 +126,18 @@ def synchronize(device):
 
 def time_system(generator, model, task, samples, device):
     """(seconds, sentences, target tokens, BLEU, peak MiB) of translating ``samples``."""
+    import gc
+
     import sacrebleu
     import torch
 
     for sample in samples[:2]:  # untimed: one-time set-up
         task.inference_step(generator, [model], move(sample, device))
+    others = 0
     if device == "cuda":
+        gc.collect()  # an earlier system's generator, if a reference cycle still holds it
         torch.cuda.reset_peak_memory_stats()
+        others = torch.cuda.memory_allocated() - sum(p.numel() * p.element_size() for p in model.parameters())
     synchronize(device)
     start = time.perf_counter()
     results, tokens = [], 0
@@ -140,7 +147,7 @@ def time_system(generator, model, task, samples, device):
         results.append((sample, hypos))
     synchronize(device)
     seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else 0.0
+    peak = (torch.cuda.max_memory_allocated() - others) / 2**20 if device == "cuda" else 0.0
     d = task.target_dictionary
     hyps, refs = [], []
     for sample, hypos in results:
@@ -161,7 +168,7 @@ def systems(cuda, fairseq_on_ls):
     return found + ([("fairseq-on-ls-fp16", "ls", "fairseq", "float16")] if fairseq_on_ls else [])
 
 
-def bench_arch(arch, ls_path, data_bin, points, cuda, fairseq_on_ls, budget, rows, out):
+def bench_arch(arch, ls_path, data_bin, points, cuda, fairseq_on_ls, budget, rows, out, compact_fraction):
     import torch
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
@@ -192,7 +199,7 @@ def bench_arch(arch, ls_path, data_bin, points, cuda, fairseq_on_ls, budget, row
                 generator = SequenceGenerator([model], task.target_dictionary, beam_size=beam, len_penalty=LENPEN)
             else:
                 generator = LSSequenceGenerator([model], task.target_dictionary, beam_size=beam, len_penalty=LENPEN,
-                                                cuda_graphs=gen == "ls")
+                                                cuda_graphs=gen == "ls", compact_fraction=compact_fraction)
             seconds, n, tokens, score, peak = time_system(generator, model, task,
                                                           batches(task, model, sentences, batch_size), device)
             row = dict(arch=arch, system=name, beam=beam, batch=batch_size, sentences=n, seconds=round(seconds, 3),
@@ -282,6 +289,9 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true",
                         help="the tiny architecture, 50 updates, a 1,000-piece vocabulary and small points")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is")
+    parser.add_argument("--compact-fraction", type=float, default=None,
+                        help="the ls generator's: fraction of a batch's sentences done before they leave it "
+                             "(default the generator's; above 1: never)")
     args = parser.parse_args(argv)
     import torch
 
@@ -298,10 +308,12 @@ def main(argv=None):
     rows = []
     for arch in archs:
         path = given.get(arch) or train(args.out, data_bin, arch, 50 if args.smoke else args.max_update, cuda)
-        rows += bench_arch(arch, path, data_bin, points, cuda, args.fairseq_on_ls, args.budget, rows, args.out)
+        rows += bench_arch(arch, path, data_bin, points, cuda, args.fairseq_on_ls, args.budget, rows, args.out,
+                           args.compact_fraction)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table(rows) + "\n")
-    plot(rows, os.path.join(args.out, "speedup.png"))
+    if any(r["system"] != "skipped" for r in rows):
+        plot(rows, os.path.join(args.out, "speedup.png"))
     print(table(rows))
 
 
