@@ -96,3 +96,15 @@ def test_kernel_reads_the_length_from_the_device():
     for length in (1, 37, 1500):
         out = decode_attention(q, cache, 1, origin, torch.tensor(length, device="cuda"))
         assert torch.equal(out, decode_attention(q, cache, 1, origin, length))
+
+
+@pytest.mark.gpu
+def test_kernel_clamps_a_device_length_past_the_capacity():
+    """A device length larger than the cache (a bug upstream) reads the whole cache and nothing past it:
+    the output equals the one at the capacity, and the positions past it are never read (NaN there)."""
+    q, cache, origin = inputs(5, 4, 64, 2, 70, 100, torch.float16, "cuda")
+    cache[70:] = float("nan")
+    for length in (71, 100, 1 << 40):
+        out = decode_attention(q, cache[:70], 1, origin, torch.tensor(length, device="cuda"))
+        assert torch.equal(out, decode_attention(q, cache[:70], 1, origin, 70)), length
+        assert not out.isnan().any(), length

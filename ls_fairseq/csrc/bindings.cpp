@@ -709,7 +709,7 @@ std::tuple<Tensor, Tensor> beam_select(const Tensor& scores, int64_t k, int64_t 
 // ---- decode_attention ----
 // q [N, heads, 1, d_head] (rows of heads x d_head contiguous), cache [capacity, 2 x layers, slots, heads,
 // d_head] contiguous, origin int32 [>= N, >= length] with unit stride along positions -> [N, heads, 1, d_head];
-// length_on_device: a one-element int64 tensor holding the length (at most `length`), read by the kernel
+// length_on_device: a one-element int64 tensor holding the length (clamped to `length`), read by the kernel
 Tensor decode_attention(const Tensor& q, const Tensor& cache, int64_t layer, const Tensor& origin, int64_t length,
                         const std::optional<Tensor>& length_on_device) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor, got one on ", q.device());

@@ -7,7 +7,8 @@
 // and the weighted sum of the values. Neither the gathered keys and values, nor the scores, nor the
 // probabilities are written to global memory. Positions are taken in chunks of kDecodeChunk with
 // an online softmax (running maximum and sum, rescaled per chunk), so the length has no cap. The
-// length may be read from device memory, so that a CUDA graph of the step replays at every step.
+// length may be read from device memory, so that a CUDA graph of the step replays at every step;
+// the kernel clamps it to the capacity the host passes.
 #include <cstdint>
 #include <type_traits>
 
@@ -40,7 +41,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
                             const T* __restrict__ values, int64_t position_stride, int64_t slot_stride,
                             const int* __restrict__ origin, int64_t origin_stride, int length,
                             const int64_t* __restrict__ length_on_device, int heads, T* __restrict__ out) {
-  if (length_on_device != nullptr) length = int(*length_on_device);
+  // A device length is bounded by the host's (the cache's capacity): a wrong value reads fewer
+  // positions, never memory past the cache or the origin table.
+  if (length_on_device != nullptr) length = int(min(max(*length_on_device, int64_t(0)), int64_t(length)));
   constexpr int kPairs = D / 2;
   constexpr int kGroups = kDecodeThreads / kPairs;
   constexpr int V = kVec<T> < D ? kVec<T> : D;
