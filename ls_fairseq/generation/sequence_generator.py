@@ -412,19 +412,17 @@ class _State:
         positional = torch.cat([positional[:, :, :1], positional[:, :, 1:] - positional[:, :, :-1]], dim=2)
         length = length[:, :k].gather(1, order)
         host = host_read(torch.cat([count[:, None], length], dim=1)).tolist()
-        # every hypothesis's tokens and positional scores are views of one flat tensor each, cut by one
-        # split (a view a hypothesis made by indexing costs the host several times as much)
-        found = torch.arange(k, device=count.device) < count[:, None]
-        within = torch.arange(tokens.shape[2], device=count.device) < length[:, :, None]
-        held = found[:, :, None] & within
-        lengths = [host[b][1 + j] for b in range(len(host)) for j in range(host[b][0])]
-        tokens = tokens.masked_select(held).split(lengths)
-        positional = positional.masked_select(held).split(lengths)
-        score = score.masked_select(found).unbind(0)
         empty = torch.empty(0)
-        out, n = [], 0
-        for b in range(len(host)):
-            out.append([{"tokens": tokens[i], "score": score[i], "attention": empty, "alignment": empty,
-                         "positional_scores": positional[i]} for i in range(n, n + host[b][0])])
-            n += host[b][0]
-        return out
+        return [
+            [
+                {
+                    "tokens": tokens[b, j, : host[b][1 + j]],
+                    "score": score[b, j],
+                    "attention": empty,
+                    "alignment": empty,
+                    "positional_scores": positional[b, j, : host[b][1 + j]],
+                }
+                for j in range(host[b][0])
+            ]
+            for b in range(len(host))
+        ]
