@@ -131,13 +131,16 @@ def time_system(generator, model, task, samples, device):
     import sacrebleu
     import torch
 
-    for sample in samples[:2]:  # untimed: one-time set-up
-        task.inference_step(generator, [model], move(sample, device))
     others = 0
     if device == "cuda":
-        gc.collect()  # an earlier system's generator, if a reference cycle still holds it
-        torch.cuda.reset_peak_memory_stats()
+        # memory that is not this system's, taken before its warm-up (whose buffers are its own): the
+        # other systems' weights (the collection frees an earlier generator held by a reference cycle)
+        gc.collect()
         others = torch.cuda.memory_allocated() - sum(p.numel() * p.element_size() for p in model.parameters())
+    for sample in samples[:2]:  # untimed: one-time set-up
+        task.inference_step(generator, [model], move(sample, device))
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     synchronize(device)
     start = time.perf_counter()
     results, tokens = [], 0
