@@ -611,6 +611,19 @@ def test_gpu_generation_runs_the_kernels(few, monkeypatch, dtype):
     assert {"embedding", "attention"} <= set(ops_run), set(ops_run)
 
 
+def eager_and_graphed(model, task, batches, dtype, **options):
+    """(the graphed generator, the eager run's n-best lists, the graphed run's) of ``batches`` on the GPU
+    in ``dtype``; the model is back on the CPU in fp32 after."""
+    model = model.cuda().to(dtype)
+    try:
+        eager = translate(LSSequenceGenerator([model], task.target_dictionary, cuda_graphs=False, **options), model,
+                          batches, device="cuda")
+        gen = LSSequenceGenerator([model], task.target_dictionary, **options)
+        return gen, eager, translate(gen, model, batches, device="cuda")
+    finally:
+        model.float().cpu()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("capacity", [4, 64])
@@ -619,15 +632,8 @@ def test_gpu_step_graphs_give_the_eager_steps_results(loaded, monkeypatch, dtype
     sentences leave the batch (each time a new capture) and the cache grows past 4 positions."""
     model, task, batches = loaded
     monkeypatch.setattr(sequence_generator, "INITIAL_CAPACITY", capacity)
-    model = model.cuda().to(dtype)
-    try:
-        options = dict(beam_size=4, len_penalty=0.6, sync_every=4, compact_fraction=0.1)
-        eager = translate(LSSequenceGenerator([model], task.target_dictionary, cuda_graphs=False, **options), model,
-                          batches, device="cuda")
-        gen = LSSequenceGenerator([model], task.target_dictionary, **options)
-        graphed = translate(gen, model, batches, device="cuda")
-    finally:
-        model.float().cpu()
+    gen, eager, graphed = eager_and_graphed(model, task, batches, dtype, beam_size=4, len_penalty=0.6, sync_every=4,
+                                            compact_fraction=0.1)
     assert gen.step_graph.captured >= 2
     assert_same_nbest(eager, graphed)
 
@@ -640,15 +646,7 @@ def test_gpu_sentences_one_at_a_time_replay_the_last_ones_graphs(loaded, dtype):
     model, task, _ = loaded
     dataset = task.dataset("test")
     batches = [dataset.collater([dataset[int(i)]]) for i in dataset.ordered_indices()[:40]]
-    model = model.cuda().to(dtype)
-    try:
-        options = dict(beam_size=4, len_penalty=0.6)
-        eager = translate(LSSequenceGenerator([model], task.target_dictionary, cuda_graphs=False, **options), model,
-                          batches, device="cuda")
-        gen = LSSequenceGenerator([model], task.target_dictionary, **options)
-        graphed = translate(gen, model, batches, device="cuda")
-    finally:
-        model.float().cpu()
+    gen, eager, graphed = eager_and_graphed(model, task, batches, dtype, beam_size=4, len_penalty=0.6)
     assert gen.step_graph.captured < len(batches) and gen.first_step_graph.captured >= 1
     assert_same_nbest(eager, graphed)
 
