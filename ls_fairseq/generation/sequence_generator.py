@@ -33,6 +33,7 @@ Two deliberate differences, both where fairseq's own results are not defined by 
 import itertools
 import math
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -411,18 +412,24 @@ class _State:
         positional = positional[:, :k].gather(1, order[:, :, None].expand(-1, -1, positional.shape[2]))
         positional = torch.cat([positional[:, :, :1], positional[:, :, 1:] - positional[:, :, :-1]], dim=2)
         length = length[:, :k].gather(1, order)
-        host = host_read(torch.cat([count[:, None], length], dim=1)).tolist()
+        host = host_read(torch.cat([count[:, None], length], dim=1)).numpy()
+        # every hypothesis's tokens and positional scores are views of one flat tensor each, cut by one
+        # split (a view a hypothesis made by indexing costs the host several times as much); the flat
+        # tensors' positions come from the lengths the host has read, so nothing else waits for the GPU
+        counts = host[:, 0]
+        found = np.arange(k)[None, :] < counts[:, None]
+        lengths = host[:, 1:][found]
+        rows = np.flatnonzero(found)  # sentence * k + rank of each hypothesis found
+        first = rows * tokens.shape[2] - (np.cumsum(lengths) - lengths)
+        index = to_device(torch.from_numpy(np.repeat(first, lengths) + np.arange(lengths.sum())), count.device)
+        cut = lengths.tolist()
+        tokens = tokens.reshape(-1).index_select(0, index).split(cut)
+        positional = positional.reshape(-1).index_select(0, index).split(cut)
+        score = score.reshape(-1).index_select(0, to_device(torch.from_numpy(rows), count.device)).unbind(0)
         empty = torch.empty(0)
-        return [
-            [
-                {
-                    "tokens": tokens[b, j, : host[b][1 + j]],
-                    "score": score[b, j],
-                    "attention": empty,
-                    "alignment": empty,
-                    "positional_scores": positional[b, j, : host[b][1 + j]],
-                }
-                for j in range(host[b][0])
-            ]
-            for b in range(len(host))
-        ]
+        out, n = [], 0
+        for c in counts.tolist():
+            out.append([{"tokens": tokens[i], "score": score[i], "attention": empty, "alignment": empty,
+                         "positional_scores": positional[i]} for i in range(n, n + c)])
+            n += c
+        return out
