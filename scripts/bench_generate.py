@@ -171,7 +171,22 @@ def systems(cuda, fairseq_on_ls):
     return found + ([("fairseq-on-ls-fp16", "ls", "fairseq", "float16")] if fairseq_on_ls else [])
 
 
-def bench_arch(arch, ls_path, data_bin, points, cuda, fairseq_on_ls, budget, rows, out, compact_fraction):
+def chosen_systems(cuda, fairseq_on_ls, wanted):
+    """systems(), only those named in ``wanted`` (a comma-separated list; None: all). The stock system
+    stays first, as the one the others are measured against."""
+    found = systems(cuda, fairseq_on_ls)
+    if wanted is None:
+        return found
+    names = wanted.split(",")
+    known = [f[0] for f in found]
+    unknown = [n for n in names if n not in known]
+    if unknown or known[0] not in names:
+        raise SystemExit("bench_generate: --systems {!r}: choose among {} and include {} (the others are measured "
+                         "against it)".format(wanted, ", ".join(known), known[0]))
+    return [f for f in found if f[0] in names]
+
+
+def bench_arch(arch, ls_path, data_bin, points, cuda, names, budget, rows, out, compact_fraction):
     import torch
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
@@ -184,7 +199,6 @@ def bench_arch(arch, ls_path, data_bin, points, cuda, fairseq_on_ls, budget, row
               for name, p in paths.items()}
     task = loaded["ls"][2]
     task.load_dataset("test")
-    names = systems(cuda, fairseq_on_ls)
     # each system its own copy of the fp32 weights in its dtype (converting one model from dtype to dtype
     # would round fp16 weights through bf16)
     models = {name: copy.deepcopy(loaded[which][0][0]).to(device=device, dtype=getattr(torch, dtype)).eval()
@@ -292,6 +306,7 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true",
                         help="the tiny architecture, 50 updates, a 1,000-piece vocabulary and small points")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is")
+    parser.add_argument("--systems", help="comma-separated: only these systems (the stock one among them; default all)")
     parser.add_argument("--compact-fraction", type=float, default=None,
                         help="the ls generator's: fraction of a batch's sentences done before they leave it "
                              "(default the generator's; above 1: never)")
@@ -301,6 +316,7 @@ def main(argv=None):
     import ls_fairseq  # noqa: F401 (the plugin: model, checkpoint types)
 
     cuda = torch.cuda.is_available() and not args.cpu
+    names = chosen_systems(cuda, args.fairseq_on_ls, args.systems)
     args.out = args.out or tempfile.mkdtemp(prefix="bench_generate.")
     os.makedirs(args.out, exist_ok=True)
     print("bench_generate: logs and results in {}".format(args.out), flush=True)
@@ -311,8 +327,7 @@ def main(argv=None):
     rows = []
     for arch in archs:
         path = given.get(arch) or train(args.out, data_bin, arch, 50 if args.smoke else args.max_update, cuda)
-        rows += bench_arch(arch, path, data_bin, points, cuda, args.fairseq_on_ls, args.budget, rows, args.out,
-                           args.compact_fraction)
+        rows += bench_arch(arch, path, data_bin, points, cuda, names, args.budget, rows, args.out, args.compact_fraction)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table(rows) + "\n")
     if any(r["system"] != "skipped" for r in rows):

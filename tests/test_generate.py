@@ -548,6 +548,21 @@ def test_bench_generate_smoke(data_bin, trained, tmp_path):
     assert (tmp_path / "speedup.png").is_file() or "no matplotlib" in proc.stderr
 
 
+def test_bench_generate_systems_are_chosen_by_name_with_stock_kept():
+    """--systems keeps the named systems in their order and refuses an unknown name or a choice without
+    the stock system that the others are measured against."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_generate", USER_DIR.rsplit("/", 1)[0] + "/scripts/bench_generate.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert [s[0] for s in bench.chosen_systems(True, False, "ls-fp16,stock-fp16")] == ["stock-fp16", "ls-fp16"]
+    assert len(bench.chosen_systems(True, True, None)) == 5
+    for wanted in ("stock-fp16,ls-fp8", "ls-fp16,ls-bf16"):
+        with pytest.raises(SystemExit, match="--systems"):
+            bench.chosen_systems(True, False, wanted)
+
+
 def test_profile_generate_breakdown_parts_add_up(data_bin, trained):
     """scripts/profile_generate.py --sentences on the CPU: the whole run split into parts (eager steps,
     encoder, ...) whose times add up to the instrumented total."""
