@@ -187,7 +187,7 @@ def test_sync_points_compaction_and_cache_growth_leave_the_result(few, monkeypat
     self-attention cache's growth change nothing; the host reads a value only at the sync points
     and once for the results."""
     model, task, batches = few
-    monkeypatch.setattr(sequence_generator, "first_capacity", lambda src_len: capacity)
+    monkeypatch.setattr(sequence_generator, "INITIAL_CAPACITY", capacity)
     reads = []
     monkeypatch.setattr(sequence_generator, "host_read", lambda t: reads.append(t.numel()) or t.cpu())
     steps = []
@@ -335,7 +335,7 @@ def test_a_batch_of_the_last_ones_shapes_replays_its_graph_on_its_own_tensors(lo
         picked = [i for j in range(min(len(a) // 2, len(b), 5)) for i in (a[2 * j], a[2 * j + 1], b[j])]
     batches = [dataset.collater([dataset[i]]) for i in picked]
     assert len({b["net_input"]["src_tokens"].shape for b in batches}) < len(batches)
-    monkeypatch.setattr(sequence_generator, "first_capacity", lambda src_len: 8)
+    monkeypatch.setattr(sequence_generator, "INITIAL_CAPACITY", 8)
     options = dict(beam_size=4, len_penalty=0.6)
     prefixes = (0,) if order == "length" else (0, 2)
     refs = [translate(LSSequenceGenerator([model], task.target_dictionary, **options), model, batches, prefix)
@@ -646,7 +646,7 @@ def test_gpu_step_graphs_give_the_eager_steps_results(loaded, monkeypatch, dtype
     """The ordinary steps replayed from CUDA graphs: the n-best lists of every step run eagerly, while
     sentences leave the batch (each time a new capture) and the cache grows past 4 positions."""
     model, task, batches = loaded
-    monkeypatch.setattr(sequence_generator, "first_capacity", lambda src_len: capacity)
+    monkeypatch.setattr(sequence_generator, "INITIAL_CAPACITY", capacity)
     gen, eager, graphed = eager_and_graphed(model, task, batches, dtype, beam_size=4, len_penalty=0.6, sync_every=4,
                                             compact_fraction=0.1)
     assert gen.step_graph.captured >= 2

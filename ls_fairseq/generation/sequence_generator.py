@@ -43,14 +43,8 @@ from ls_fairseq.generation.graphs import Buffers, StepGraph, new_tensor
 from ls_fairseq.ops.beam_select import beam_select
 from ls_fairseq.ops.embedding import sinusoid_tables_made
 
+INITIAL_CAPACITY = 64  # self-attention cache positions before the first doubling
 _BATCHES = itertools.count()  # a number per batch, in the keys of the step's CUDA graphs
-
-
-def first_capacity(src_len):
-    """The self-attention cache's positions before its first growth: room for outputs of up to 1.5 times
-    the source's length plus 16 tokens (a multiple of 32, at least 64), where nearly all translations
-    end, so that most batches never grow the cache (a growth copies it and captures a new step graph)."""
-    return max(64, -(-(3 * src_len // 2 + 16) // 32) * 32)
 
 
 def graphs_on(device):
@@ -175,8 +169,8 @@ class LSSequenceGenerator(nn.Module):
         buffers = self.buffers if graph is not None else None
         take = buffers.take if buffers is not None else new_tensor
         encoder_out = self.model.encoder.forward_torchscript(net_input)
-        capacity = min(first_capacity(src_len), max_len + 1)
-        cache = DecoderCache(self.model.decoder, encoder_out, k, capacity, max_len + 1, buffers)
+        cache = DecoderCache(self.model.decoder, encoder_out, k, min(INITIAL_CAPACITY, max_len + 1), max_len + 1,
+                             buffers)
         s = _State.start(B, k, max_len + 1, device, self.pad, take)
         s.tokens[:, 0] = self.eos if bos_token is None else bos_token
         beam_offsets = take("beam_offsets", (B, 1), torch.long, device)
