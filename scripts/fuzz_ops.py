@@ -12,7 +12,8 @@ counts as a mismatch too.
 
 On a CPU (``--device cpu``) every op runs its reference on both sides: a smoke test of the script.
 
-  python3 scripts/fuzz_ops.py                          # 1,000 cases per op on the GPU, ~4 min on an H200
+  python3 scripts/fuzz_ops.py                          # up to 1,000 cases per op on the GPU in 4 minutes
+  python3 scripts/fuzz_ops.py --jobs 4 --budget-s 300  # the ops over 4 processes side by side
   python3 scripts/fuzz_ops.py --seed 7 --ops softmax --case 123    # replay one case
   python3 scripts/fuzz_ops.py --device cpu --cases 3
 
@@ -659,44 +660,8 @@ def run_case(seed, op, index, device, max_elements):
                 mismatch=bool(error or failed), checks={k: r for k, (r, _) in c.checks.items()})
 
 
-def replay_command(args, op, index):
-    return "python3 scripts/fuzz_ops.py --seed {} --ops {} --case {} --device {}".format(args.seed, op, index,
-                                                                                        args.device)
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seed", type=int, default=None, help="the run's seed (default: a new one, printed)")
-    parser.add_argument("--cases", type=int, default=1000, help="cases per op")
-    parser.add_argument("--ops", default=",".join(CASES), help="ops to fuzz, comma-separated")
-    parser.add_argument("--case", type=int, default=None, help="run only this case index (a replay)")
-    parser.add_argument("--budget-s", type=float, default=240.0,
-                        help="wall-clock seconds for all ops; each op stops at its share and reports the cases run")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cuda: the kernels; cpu: the references on both sides (a smoke test)")
-    parser.add_argument("--max-elements", type=int, default=None,
-                        help="largest tensor of a case (default 2^21 on the GPU, 2^13 on the CPU)")
-    parser.add_argument("--out", default=None, help="folder for the logs (default $OUT/fuzz_ops)")
-    args = parser.parse_args()
-    if args.seed is None:
-        args.seed = int.from_bytes(os.urandom(4), "little")
-    names = [n.strip() for n in args.ops.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        parser.error("unknown op(s) {}; known: {}".format(", ".join(unknown), ", ".join(CASES)))
-    if args.device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            parser.error("--device cuda: no CUDA GPU here")
-        if dispatch.extension() is None:
-            parser.error("the CUDA extension did not load ({}): build it with python3 setup.py build_ext "
-                         "--inplace".format(dispatch.extension_error()))
-        if os.environ.get("LS_FAIRSEQ_REFERENCE", "").strip():
-            parser.error("LS_FAIRSEQ_REFERENCE is set: the ops would run their references, not the kernels")
-    max_elements = args.max_elements or (1 << 21 if args.device != "cpu" else 1 << 13)
-    out_dir = args.out or os.path.join(os.environ.get("OUT") or tempfile.mkdtemp(prefix="fuzz_ops_"), "fuzz_ops")
-    os.makedirs(out_dir, exist_ok=True)
-    print("fuzz_ops: seed {} (--seed {} replays), {} cases per op, budget {:.0f}s, device {}, logs in {}".format(
-        args.seed, args.seed, args.cases if args.case is None else 1, args.budget_s, args.device, out_dir), flush=True)
+def fuzz(args, names, max_elements, out_dir):
+    """Each op of ``names`` in turn, in this process: {op: its results}; logs into ``out_dir``."""
     start = time.monotonic()
     results = {}
     log = open(os.path.join(out_dir, "fuzz.log"), "w")
@@ -737,6 +702,93 @@ def main():
             print(line, flush=True)
             log.write(line + "\n")
     log.close()
+    return results
+
+
+def fuzz_in_workers(args, names, max_elements, out_dir):
+    """The ops split over ``args.jobs`` processes of this script side by side (the cases are drawn from
+    the run's seed, the op and the index, so they are the same cases however the ops are split), each
+    with the whole budget for its ops; their logs joined into ``out_dir``: {op: its results}."""
+    import subprocess
+
+    groups = [names[i :: args.jobs] for i in range(args.jobs) if names[i :: args.jobs]]
+    for name in ("cases.jsonl", "fuzz.log"):
+        open(os.path.join(out_dir, name), "w").close()
+    procs = []
+    for i, group in enumerate(groups):
+        cmd = [sys.executable, os.path.abspath(__file__), "--seed", str(args.seed), "--cases", str(args.cases),
+               "--ops", ",".join(group), "--budget-s", str(args.budget_s), "--device", args.device,
+               "--max-elements", str(max_elements), "--out", os.path.join(out_dir, "worker{}".format(i))]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    found = {}
+    for i, proc in enumerate(procs):
+        output = proc.communicate()[0]
+        part = os.path.join(out_dir, "worker{}".format(i))
+        try:
+            with open(os.path.join(part, "results.json")) as f:
+                found.update(json.load(f)["ops"])
+        except (OSError, ValueError):
+            raise SystemExit("fuzz_ops: worker {} ({}) wrote no results (exit {}):\n{}".format(
+                i, ",".join(groups[i]), proc.returncode, output[-3000:]))
+        print("".join(line + "\n" for line in output.splitlines() if line.startswith(("MISMATCH", "  "))), end="")
+        for name in ("cases.jsonl", "fuzz.log"):
+            with open(os.path.join(part, name)) as src, open(os.path.join(out_dir, name), "a") as dst:
+                dst.write(src.read())
+    for op in names:  # the order asked for
+        r = found[op]
+        print("{}: {} cases in {:.1f}s, {} mismatches, worst ratio {:.3g} (case {}){}".format(
+            op, r["cases"], r["seconds"], r["mismatches"], r["worst_ratio"], r["worst_case"],
+            ", stopped by the budget" if r["stopped_by_budget"] else ""), flush=True)
+    return {op: found[op] for op in names}
+
+
+def replay_command(args, op, index):
+    return "python3 scripts/fuzz_ops.py --seed {} --ops {} --case {} --device {}".format(args.seed, op, index,
+                                                                                        args.device)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=None, help="the run's seed (default: a new one, printed)")
+    parser.add_argument("--cases", type=int, default=1000, help="cases per op")
+    parser.add_argument("--ops", default=",".join(CASES), help="ops to fuzz, comma-separated")
+    parser.add_argument("--case", type=int, default=None, help="run only this case index (a replay)")
+    parser.add_argument("--budget-s", type=float, default=240.0,
+                        help="wall-clock seconds for all ops; each op stops at its share and reports the cases run")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda: the kernels; cpu: the references on both sides (a smoke test)")
+    parser.add_argument("--max-elements", type=int, default=None,
+                        help="largest tensor of a case (default 2^21 on the GPU, 2^13 on the CPU)")
+    parser.add_argument("--out", default=None, help="folder for the logs (default $OUT/fuzz_ops)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="processes side by side, the ops split among them, each with the whole --budget-s")
+    args = parser.parse_args()
+    if args.seed is None:
+        args.seed = int.from_bytes(os.urandom(4), "little")
+    names = [n.strip() for n in args.ops.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if args.jobs < 1:
+        parser.error("--jobs {}: at least 1".format(args.jobs))
+    if unknown:
+        parser.error("unknown op(s) {}; known: {}".format(", ".join(unknown), ", ".join(CASES)))
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA GPU here")
+        if dispatch.extension() is None:
+            parser.error("the CUDA extension did not load ({}): build it with python3 setup.py build_ext "
+                         "--inplace".format(dispatch.extension_error()))
+        if os.environ.get("LS_FAIRSEQ_REFERENCE", "").strip():
+            parser.error("LS_FAIRSEQ_REFERENCE is set: the ops would run their references, not the kernels")
+    max_elements = args.max_elements or (1 << 21 if args.device != "cpu" else 1 << 13)
+    out_dir = args.out or os.path.join(os.environ.get("OUT") or tempfile.mkdtemp(prefix="fuzz_ops_"), "fuzz_ops")
+    os.makedirs(out_dir, exist_ok=True)
+    print("fuzz_ops: seed {} (--seed {} replays), {} cases per op, budget {:.0f}s, device {}, logs in {}".format(
+        args.seed, args.seed, args.cases if args.case is None else 1, args.budget_s, args.device, out_dir), flush=True)
+    start = time.monotonic()
+    if args.jobs > 1 and args.case is None and len(names) > 1:
+        results = fuzz_in_workers(args, names, max_elements, out_dir)
+    else:
+        results = fuzz(args, names, max_elements, out_dir)
     summary = dict(seed=args.seed, device=args.device, cases_per_op=args.cases, budget_s=args.budget_s,
                    max_elements=max_elements, seconds=round(time.monotonic() - start, 1), ops=results,
                    gpu=torch.cuda.get_device_name() if args.device != "cpu" else None)

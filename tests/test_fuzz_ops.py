@@ -36,6 +36,23 @@ def test_a_replay_runs_the_one_case_with_the_same_draws(tmp_path):
     assert params[0] == params[1] and params[0][0] == 2
 
 
+def test_workers_run_the_same_cases_as_one_process(tmp_path):
+    """--jobs splits the ops over processes; the cases drawn, their checks and the table are those of
+    one process, in the order the ops were asked for."""
+    found = {}
+    for jobs in (1, 2):
+        out = tmp_path / "jobs{}".format(jobs)
+        proc = run([sys.executable, SCRIPT, "--device", "cpu", "--cases", "2", "--seed", "5", "--jobs", str(jobs),
+                    "--ops", "softmax,layer_norm,beam_select", "--out", str(out)])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        cases = [json.loads(line) for line in (out / "cases.jsonl").read_text().splitlines()]
+        found[jobs] = sorted((c["op"], c["case"], json.dumps(c["params"], sort_keys=True)) for c in cases)
+        assert list(json.loads((out / "results.json").read_text())["ops"]) == ["softmax", "layer_norm", "beam_select"]
+        assert [line.split()[0] for line in proc.stdout.strip().splitlines()[-3:]] == ["softmax", "layer_norm",
+                                                                                     "beam_select"]
+    assert found[1] == found[2] and len(found[1]) == 6
+
+
 def test_an_unknown_op_is_named(tmp_path):
     proc = run([sys.executable, SCRIPT, "--device", "cpu", "--ops", "softmax,gemm", "--out", str(tmp_path)])
     assert proc.returncode == 2 and "unknown op(s) gemm" in proc.stderr
