@@ -12,7 +12,8 @@ each in fp16 on a GPU (ls in bf16 too; stock fairseq-generate has no bf16 on GPU
 the CPU (fairseq-on-ls with --fairseq-on-ls only). Every system is timed the same way: batches as fairseq-generate makes them (the task's
 length-sorted batches of --batch-size sentences), from the first batch to the last hypothesis,
 the GPU synchronised at both ends, after an untimed pass over the first batches (CUDA's and
-cuBLAS's one-time set-up); target tokens counted as fairseq-generate counts them (the best
+cuBLAS's one-time set-up), --repeats times in turn (rates the median, the ratio over stock the median of
+each round's ratio, with its range); target tokens counted as fairseq-generate counts them (the best
 hypothesis's, EOS included). Per point also BLEU (sacrebleu, detokenized) and the peak GPU memory
 of the system as if it were alone on the GPU: its model's weights and the most its translation held
 besides (the other systems' copies of the weights, resident for the benchmark, are not counted).
@@ -29,6 +30,7 @@ import argparse
 import copy
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -186,7 +188,7 @@ def chosen_systems(cuda, fairseq_on_ls, wanted):
     return [f for f in found if f[0] in names]
 
 
-def bench_arch(arch, ls_path, data_bin, points, cuda, names, budget, rows, out, compact_fraction):
+def bench_arch(arch, ls_path, data_bin, points, cuda, names, budget, rows, out, compact_fraction, repeats=1):
     import torch
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
@@ -210,24 +212,33 @@ def bench_arch(arch, ls_path, data_bin, points, cuda, names, budget, rows, out, 
                 arch, beam, batch_size, budget), file=sys.stderr)
             found.append(dict(arch=arch, system="skipped", beam=beam, batch=batch_size))
             continue
-        for name, _, gen, _ in names:
-            model = models[name]
-            if gen == "fairseq":
-                generator = SequenceGenerator([model], task.target_dictionary, beam_size=beam, len_penalty=LENPEN)
-            else:
-                generator = LSSequenceGenerator([model], task.target_dictionary, beam_size=beam, len_penalty=LENPEN,
-                                                cuda_graphs=gen == "ls", compact_fraction=compact_fraction)
-            seconds, n, tokens, score, peak = time_system(generator, model, task,
-                                                          batches(task, model, sentences, batch_size), device)
+        timed = {name: [] for name, _, _, _ in names}  # per system: (seconds, sentences, tokens, BLEU, peak) a run
+        for _ in range(repeats):  # the systems in turn, so that a change in the machine's speed meets them all
+            for name, _, gen, _ in names:
+                model = models[name]
+                if gen == "fairseq":
+                    generator = SequenceGenerator([model], task.target_dictionary, beam_size=beam, len_penalty=LENPEN)
+                else:
+                    generator = LSSequenceGenerator([model], task.target_dictionary, beam_size=beam,
+                                                    len_penalty=LENPEN, cuda_graphs=gen == "ls",
+                                                    compact_fraction=compact_fraction)
+                timed[name].append(time_system(generator, model, task, batches(task, model, sentences, batch_size),
+                                               device))
+        stock = timed[names[0][0]]
+        if stock[0][3] < 1:
+            print("bench_generate: {} scores BLEU {:.2f}: not trained enough, so its hypotheses have no realistic "
+                  "lengths (more --max-update)".format(arch, stock[0][3]), file=sys.stderr, flush=True)
+        for name, _, _, _ in names:
+            runs = timed[name]
+            seconds = statistics.median(r[0] for r in runs)
+            n, tokens, score = runs[0][1:4]
+            # each run's rate over stock's in the same round, then the median of those
+            ratios = sorted((r[2] / r[0]) / (st[2] / st[0]) for r, st in zip(runs, stock))
             row = dict(arch=arch, system=name, beam=beam, batch=batch_size, sentences=n, seconds=round(seconds, 3),
                        sentences_per_s=round(n / seconds, 2), tokens_per_s=round(tokens / seconds, 1),
-                       bleu=round(score, 2), peak_mib=round(peak, 1))
-            if name == names[0][0]:
-                stock_rate = row["tokens_per_s"]
-                if score < 1:
-                    print("bench_generate: {} scores BLEU {:.2f}: not trained enough, so its hypotheses have no "
-                          "realistic lengths (more --max-update)".format(arch, score), file=sys.stderr, flush=True)
-            row["speedup"] = round(row["tokens_per_s"] / stock_rate, 2)
+                       bleu=round(score, 2), peak_mib=round(max(r[4] for r in runs), 1),
+                       speedup=round(statistics.median(ratios), 2), runs=len(runs),
+                       speedup_range=[round(ratios[0], 2), round(ratios[-1], 2)])
             print(json.dumps(row), flush=True)
             found.append(row)
             with open(os.path.join(out, "results.json"), "w") as f:
@@ -242,8 +253,9 @@ def table(rows):
         if r["system"] == "skipped":
             lines.append("| {arch} | {beam} | {batch} | - | skipped (--budget) | - | - | - | - | - |".format(**r))
             continue
+        spread = " ({}-{}, {} runs)".format(*r["speedup_range"], r["runs"]) if r.get("runs", 1) > 1 else ""
         lines.append("| {arch} | {beam} | {batch} | {sentences} | {system} | {sentences_per_s} | {tokens_per_s} | "
-                     "{speedup}x | {bleu} | {peak_mib} |".format(**r))
+                     "{speedup}x{spread} | {bleu} | {peak_mib} |".format(spread=spread, **r))
     return "\n".join(lines)
 
 
@@ -306,6 +318,9 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true",
                         help="the tiny architecture, 50 updates, a 1,000-piece vocabulary and small points")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed runs of every system at each point, in turn: rates are medians, the ratio over "
+                             "stock the median of the runs' ratios (with their range)")
     parser.add_argument("--systems", help="comma-separated: only these systems (the stock one among them; default all)")
     parser.add_argument("--compact-fraction", type=float, default=None,
                         help="the ls generator's: fraction of a batch's sentences done before they leave it "
@@ -317,6 +332,8 @@ def main(argv=None):
 
     cuda = torch.cuda.is_available() and not args.cpu
     names = chosen_systems(cuda, args.fairseq_on_ls, args.systems)
+    if args.repeats < 1:
+        parser.error("--repeats {}: at least 1".format(args.repeats))
     args.out = args.out or tempfile.mkdtemp(prefix="bench_generate.")
     os.makedirs(args.out, exist_ok=True)
     print("bench_generate: logs and results in {}".format(args.out), flush=True)
@@ -327,7 +344,8 @@ def main(argv=None):
     rows = []
     for arch in archs:
         path = given.get(arch) or train(args.out, data_bin, arch, 50 if args.smoke else args.max_update, cuda)
-        rows += bench_arch(arch, path, data_bin, points, cuda, names, args.budget, rows, args.out, args.compact_fraction)
+        rows += bench_arch(arch, path, data_bin, points, cuda, names, args.budget, rows, args.out, args.compact_fraction,
+                           args.repeats)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table(rows) + "\n")
     if any(r["system"] != "skipped" for r in rows):

@@ -533,7 +533,7 @@ def test_bench_generate_smoke(data_bin, trained, tmp_path):
     import sys
 
     proc = run([sys.executable, "scripts/bench_generate.py", "--out", str(tmp_path), "--smoke", "--cpu", "--fairseq-on-ls",
-                "--data-bin", str(data_bin / "data-bin"), "--checkpoint", "tiny={}".format(trained)],
+                "--data-bin", str(data_bin / "data-bin"), "--checkpoint", "tiny={}".format(trained), "--repeats", "2"],
                cwd=USER_DIR.rsplit("/", 1)[0])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())
@@ -542,9 +542,11 @@ def test_bench_generate_smoke(data_bin, trained, tmp_path):
     by = {(r["system"], r["beam"]): r for r in rows}
     for beam in (4, 1):
         assert by[("stock-fp32", beam)]["speedup"] == 1.0 and by[("ls-fp32", beam)]["sentences"] == 24
+        low, high = by[("ls-fp32", beam)]["speedup_range"]
+        assert by[("ls-fp32", beam)]["runs"] == 2 and low <= by[("ls-fp32", beam)]["speedup"] <= high
         assert by[("ls-fp32", beam)]["bleu"] == by[("fairseq-on-ls-fp32", beam)]["bleu"]
         assert all(r["tokens_per_s"] > 0 for r in rows)
-    assert "| tiny | 4 | 8 |" in (tmp_path / "results.md").read_text()
+    assert "| tiny | 4 | 8 |" in (tmp_path / "results.md").read_text() and ", 2 runs)" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "speedup.png").is_file() or "no matplotlib" in proc.stderr
 
 
