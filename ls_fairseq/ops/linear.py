@@ -33,25 +33,33 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dres = ctx.residual_grad.take() if ctx.residual_grad is not None else None
-            if dres is not None:  # x's residual gradient, accumulated into by the GEMM (beta = 1)
-                dx = dres.view(-1, dres.shape[-1]).addmm_(dy.reshape(-1, dy.shape[-1]), weight).view(dres.shape)
-            else:
-                dx = dy.matmul(weight)
-            if ctx.heads:
-                B, H, T, D = x.shape
-                dx = dx.view(B, T, H, D).transpose(1, 2)
-        if not ctx.needs_input_grad[1]:
-            return dx, None, None, None
-        x2 = (merge_heads(x) if ctx.heads else x).reshape(-1, weight.shape[1])
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        into = workspace.grad_in_place(weight)
-        if into is not None:
-            into.addmm_(dy2.t(), x2)
-            return dx, None, None, None
-        return dx, dy2.t().mm(x2), None, None
+        dx, dw = linear_backward(dy, x, weight, ctx.heads, ctx.residual_grad, ctx.needs_input_grad[:2])
+        return dx, dw, None, None
+
+
+def linear_backward(dy, x, weight, heads, residual_grad, needs):
+    """(dx, dW) of y = x W^T for ``dy``, each None where ``needs`` (for x, for W) says so; dx with the
+    residual's gradient added (``residual_grad``, claimed in forward), dW added into ``weight.grad``
+    in place where ls_adam holds the weight (then None)."""
+    dx = None
+    if needs[0]:
+        dres = residual_grad.take() if residual_grad is not None else None
+        if dres is not None:  # x's residual gradient, accumulated into by the GEMM (beta = 1)
+            dx = dres.view(-1, dres.shape[-1]).addmm_(dy.reshape(-1, dy.shape[-1]), weight).view(dres.shape)
+        else:
+            dx = dy.matmul(weight)
+        if heads:
+            B, H, T, D = x.shape
+            dx = dx.view(B, T, H, D).transpose(1, 2)
+    if not needs[1]:
+        return dx, None
+    x2 = (merge_heads(x) if heads else x).reshape(-1, weight.shape[1])
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    into = workspace.grad_in_place(weight)
+    if into is not None:
+        into.addmm_(dy2.t(), x2)
+        return dx, None
+    return dx, dy2.t().mm(x2)
 
 
 def linear(x, weight, heads=False, residual_grad=None):
