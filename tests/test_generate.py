@@ -271,15 +271,13 @@ def test_an_ordinary_step_reads_the_step_only_from_the_device(few, monkeypatch, 
     step_fn = LSSequenceGenerator._step
     frozen, emulated, storage = {}, [], {}
 
-    def as_replayed(self, s, cache, parents, t, length, step, max_len, prefix_tokens, beam_offsets, cand_offsets,
-                    reorder):
+    def as_replayed(self, s, cache, parents, t, length, step, max_len, prefix_tokens, reorder):
         state = (id(s), cache.kv.data_ptr(), cache.origin.shape, parents.data_ptr())
         if not ordinary(self, step, max_len, prefix_tokens, reorder, s.beam_size):
-            return step_fn(self, s, cache, parents, t, length, step, max_len, prefix_tokens, beam_offsets,
-                           cand_offsets, reorder)
+            return step_fn(self, s, cache, parents, t, length, step, max_len, prefix_tokens, reorder)
         first = frozen.setdefault(state, step)
         emulated.append(step != first)
-        step_fn(self, s, cache, parents, t, t + 1, first, max_len, prefix_tokens, beam_offsets, cand_offsets, reorder)
+        step_fn(self, s, cache, parents, t, t + 1, first, max_len, prefix_tokens, reorder)
         tensors = [s.tokens, s.scores, s.cum, s.done, s.count, s.fin_tokens, s.fin_positional, s.fin_score,
                    s.fin_length, cache.origin, parents]
         assert storage.setdefault(state, [x.data_ptr() for x in tensors]) == [x.data_ptr() for x in tensors]

@@ -13,8 +13,9 @@ What differs is where it runs. Every step is batched tensor ops with shapes fixe
 (the step itself is read from a device tensor): the model's decode_step on preallocated caches
 (generation.DecoderCache: the encoder runs once, its keys and values for all layers once per
 batch; the self-attention's keys and values written once, a beam reorder copying a table of slot
-numbers), candidates from ops.beam_select, finished hypotheses written into per-sentence slots by
-scatter, the sentence's done flag and the stop test as tensors. Nothing in a step reads a tensor
+numbers), candidates from ops.beam_select, finished hypotheses written into per-sentence slots and
+the survivors' histories reordered by ops.beam_advance, the sentence's done flag and the stop test as
+tensors. Nothing in a step reads a tensor
 back to the host: no .item(), no boolean-mask indexing, no branch on a value. Every ``sync_every`` steps the host reads
 the sentences' done flags (one small copy): it stops when all are done, and when at least
 ``compact_fraction`` of the batch is done it drops those sentences (their results kept), as
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 
 from ls_fairseq.generation.cache import DecoderCache
 from ls_fairseq.generation.graphs import Buffers, StepGraph, new_tensor
+from ls_fairseq.ops.beam_advance import beam_advance
 from ls_fairseq.ops.beam_select import beam_select
 from ls_fairseq.ops.embedding import sinusoid_tables_made
 
@@ -173,10 +175,6 @@ class LSSequenceGenerator(nn.Module):
                              buffers)
         s = _State.start(B, k, max_len + 1, device, self.pad, take)
         s.tokens[:, 0] = self.eos if bos_token is None else bos_token
-        beam_offsets = take("beam_offsets", (B, 1), torch.long, device)
-        torch.arange(0, B * k, k, device=device, out=beam_offsets.view(-1))
-        cand_offsets = take("cand_offsets", (2 * k,), torch.long, device)
-        torch.arange(2 * k, device=device, out=cand_offsets)
         parents = take("parents", (B * k,), torch.long, device).zero_()  # each hypothesis's, for the next step
         t = take("t", (), torch.long, device)  # the step, where the step's ops read it
         reorder, batch, phase = False, next(_BATCHES), 0
@@ -199,15 +197,14 @@ class LSSequenceGenerator(nn.Module):
             cache.prepare(step)
             if first and step == 0:
                 self.first_step_graph.run(shapes, lambda: self._step(
-                    s, cache, parents, t, t + 1, 0, max_len, None, beam_offsets, cand_offsets, False), cache.capacity)
+                    s, cache, parents, t, t + 1, 0, max_len, None, False), cache.capacity)
             elif graph is not None and reorder == (k > 1) and self._ordinary(step, max_len, prefix_tokens):
                 key = shapes if shapes and phase == 0 and cache.generation == 0 else (batch, phase, cache.generation)
                 graph.run(key, lambda: self._step(
-                    s, cache, parents, t, t + 1, step, max_len, prefix_tokens, beam_offsets, cand_offsets, reorder),
+                    s, cache, parents, t, t + 1, step, max_len, prefix_tokens, reorder),
                     cache.capacity)
             else:
-                self._step(s, cache, parents, t, step + 1, step, max_len, prefix_tokens, beam_offsets, cand_offsets,
-                           reorder)
+                self._step(s, cache, parents, t, step + 1, step, max_len, prefix_tokens, reorder)
             if step == max_len:
                 break
             reorder = k > 1
@@ -227,7 +224,6 @@ class LSSequenceGenerator(nn.Module):
                     parents = torch.arange(keep.numel() * k, device=device)
                     if prefix_tokens is not None:
                         prefix_tokens = prefix_tokens[keep]
-                    beam_offsets = beam_offsets[: keep.numel()]
                     reorder, phase = True, phase + 1
         return s.results()
 
@@ -238,7 +234,7 @@ class LSSequenceGenerator(nn.Module):
         return (self.min_len <= step < max_len and self.no_repeat_ngram_size == 0
                 and (prefix_tokens is None or step >= prefix_tokens.shape[1]))
 
-    def _step(self, s, cache, parents, t, length, step, max_len, prefix_tokens, beam_offsets, cand_offsets, reorder):
+    def _step(self, s, cache, parents, t, length, step, max_len, prefix_tokens, reorder):
         """One step of the search, on the device: the hypotheses continue their ``parents`` (when
         ``reorder``), the decoder runs at step ``t`` (a 0-d tensor; ``length`` = step + 1, which
         decode_attention reads), candidates are chosen, the finished ones written, and ``parents`` and
@@ -253,22 +249,10 @@ class LSSequenceGenerator(nn.Module):
 
         # 2 x beam candidates per sentence; at step 0 only the first beam's (the others start at -inf)
         values, index = beam_select((lprobs + s.cum[:, None]).view(-1, k * V), 2 * k)
-        cand_beams, cand_tokens = index // V, index % V
-        eos_mask = cand_tokens.eq(self.eos) & values.ne(-math.inf)
-        self._finish(s, t, values[:, :k], (cand_beams + beam_offsets)[:, :k], eos_mask[:, :k])
-        if step == max_len:
-            return
-
-        # the first beam candidates that do not end the sentence continue (fairseq's active_hypos);
-        # whole rows of the histories are copied, so that no shape depends on the step, and the
-        # state is updated in place, so that its tensors keep their memory from step to step
-        active = torch.topk(eos_mask * (2 * k) + cand_offsets, k, dim=1, largest=False).indices
-        parents.copy_((cand_beams.gather(1, active) + beam_offsets).view(-1))
-        s.tokens.copy_(s.tokens.index_select(0, parents))
-        s.tokens.scatter_(1, (t + 1).expand(parents.shape[0], 1), cand_tokens.gather(1, active).view(-1, 1))
-        s.scores.copy_(s.scores.index_select(0, parents))
-        s.cum.copy_(values.gather(1, active).view(-1))
-        s.scores.scatter_(1, t.expand(parents.shape[0], 1), s.cum[:, None])
+        # the finished ones written, the first beam that do not end the sentence continued (fairseq's
+        # finalize_hypos and active_hypos), the state updated in place: its tensors keep their memory
+        beam_advance(values, index, t, s, parents, self.eos, self.pad, V, self.len_penalty, self.normalize_scores,
+                     advance=step != max_len)
 
     def _log_probs(self, logits, step, max_len, s, prefix_tokens):
         """fairseq's per-step log-probabilities: temperature, log-softmax in fp32, NaN -> -inf, no pad,
@@ -322,33 +306,6 @@ class LSSequenceGenerator(nn.Module):
         match = seen.unfold(1, n - 1, 1)[:, :windows].eq(seen[:, None, step + 2 - n :]).all(-1)
         after = seen[:, n - 1 : n - 1 + windows]
         lprobs.scatter_add_(1, after, torch.where(match, -math.inf, 0.0))
-
-    def _finish(self, s, t, values, beams, eos_mask):
-        """fairseq's finalize_hypos on the device: each EOS candidate among the first beam of a sentence
-        not yet done takes the sentence's next free slot (while it has one). ``t``: the step, a 0-d
-        tensor; the hypotheses' whole rows are written (EOS at the step, padding after it)."""
-        k = s.beam_size
-        new = eos_mask & ~s.done[:, None]
-        rank = s.count[:, None] + new.cumsum(1) - 1
-        slot = torch.where(new & rank.lt(k), rank, k)  # slot k: discarded
-        B, L = beams.shape[0], s.fin_tokens.shape[2]
-        rows = beams.reshape(-1)
-        position = torch.arange(L, device=t.device)
-        before, at = position.lt(t), position.eq(t)
-        history = s.tokens[rows, 1 : L + 1].view(B, k, L)
-        tokens = torch.where(before, history, torch.where(at, self.eos, self.pad))
-        positional = torch.where(before, s.scores[rows].view(B, k, L), torch.where(at, values[:, :, None], 0.0))
-        length = t + 1
-        # the length penalty in double, rounded once, as fairseq's (step + 1) ** lenpen becomes a float scalar
-        score = values / length.double().pow(self.len_penalty).float() if self.normalize_scores else values
-        where = slot[:, :, None].expand(-1, -1, L)
-        s.fin_tokens.scatter_(1, where, tokens)
-        s.fin_positional.scatter_(1, where, positional)
-        s.fin_score.scatter_(1, slot, score)
-        s.fin_length.scatter_(1, slot, length.expand(slot.shape))
-        s.count += (new & rank.lt(k)).sum(1)
-        s.done |= s.count.ge(k)
-
 
 class _State:
     """The search's tensors for the sentences still in the batch (``sentence``: their numbers in the
