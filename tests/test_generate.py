@@ -205,14 +205,19 @@ def test_sync_points_compaction_and_cache_growth_leave_the_result(few, monkeypat
         assert len(set(steps)) > len(batches)
 
 
-def test_cache_gives_each_hypothesis_its_history_through_reorders_growth_and_compaction():
+@pytest.mark.parametrize("buffered", [False, True])
+def test_cache_gives_each_hypothesis_its_history_through_reorders_growth_and_compaction(buffered):
     """DecoderCache against the reorder-by-copy it replaces (fairseq's: every layer's keys and values
     index_selected into the new beam order at every step), on random beam orders, with growth past
     the initial capacity and sentences leaving the batch: the same attention at every step, and
-    the cache rebuilt with one slot per remaining hypothesis once at most half of its slots are."""
+    the cache rebuilt with one slot per remaining hypothesis once at most half of its slots are.
+    Every rebuild frees the layers' old buffers, also those taken from (and kept by) Buffers."""
+    import weakref
+
     from model_utils import build_pair
 
     from ls_fairseq.generation.cache import DecoderCache
+    from ls_fairseq.generation.graphs import Buffers
     from ls_fairseq.ops import attention
 
     _, model, task = build_pair(decoder_layers=2, encoder_layers=1)
@@ -220,7 +225,8 @@ def test_cache_gives_each_hypothesis_its_history_through_reorders_growth_and_com
     B, beam, steps = 6, 3, 23
     src = torch.randint(d.nspecial, len(d), (B, 5))
     encoder_out = model.encoder(src, torch.full((B,), 5))
-    cache = DecoderCache(model.decoder, encoder_out, beam, 4, limit=30)
+    cache = DecoderCache(model.decoder, encoder_out, beam, 4, limit=30, buffers=Buffers() if buffered else None)
+    rebuilds = 0
     H, D = model.decoder.layers[0].self_attn.num_heads, 32 // model.decoder.layers[0].self_attn.num_heads
     history = [None, None]  # per layer: (keys, values) [N, H, t, D] in the hypotheses' order
     sentences = B
@@ -230,7 +236,11 @@ def test_cache_gives_each_hypothesis_its_history_through_reorders_growth_and_com
             parents = alive[torch.randint(0, alive.numel(), (N,))]
             cache.reorder(parents)
             history = [(k.index_select(0, parents), v.index_select(0, parents)) for k, v in history]
+        old, generation = [weakref.ref(t) for t in cache.kv], cache.generation
         cache.prepare(step)
+        if cache.generation != generation:
+            rebuilds += 1
+            assert all(ref() is None for ref in old)
         cache.begin_step(torch.tensor(step), step + 1)
         for layer in range(2):
             q, k, v = (torch.randn(N, H, 1, D) for _ in range(3))
@@ -245,9 +255,10 @@ def test_cache_gives_each_hypothesis_its_history_through_reorders_growth_and_com
             cache.keep_sentences(keep)
             alive = (keep[:, None] * beam + torch.arange(beam)).view(-1)
             sentences = keep.numel()
-        assert cache.kv.shape[0] >= step + 1 and cache.kv.shape[0] <= 30
-        assert cache.kv.shape[2] < 2 * sentences * beam or step in (5, 13)
-    assert cache.kv.shape[2] == 2 * beam and cache.kv.shape[0] == 30
+        assert cache.kv[0].shape[0] >= step + 1 and cache.kv[0].shape[0] <= 30
+        assert cache.kv[0].shape[2] < 2 * sentences * beam or step in (5, 13)
+    assert cache.kv[0].shape[2] == 2 * beam and cache.kv[0].shape[0] == 30
+    assert rebuilds >= 4 and len(cache.kv) == 2
 
 
 def ordinary(gen, step, max_len, prefix_tokens, reorder, k):
@@ -272,7 +283,7 @@ def test_an_ordinary_step_reads_the_step_only_from_the_device(few, monkeypatch, 
     frozen, emulated, storage = {}, [], {}
 
     def as_replayed(self, s, cache, parents, t, length, step, max_len, prefix_tokens, reorder):
-        state = (id(s), cache.kv.data_ptr(), cache.origin.shape, parents.data_ptr())
+        state = (id(s), tuple(kv.data_ptr() for kv in cache.kv), cache.origin.shape, parents.data_ptr())
         if not ordinary(self, step, max_len, prefix_tokens, reorder, s.beam_size):
             return step_fn(self, s, cache, parents, t, length, step, max_len, prefix_tokens, reorder)
         first = frozen.setdefault(state, step)
@@ -321,7 +332,9 @@ def test_a_batch_of_the_last_ones_shapes_replays_its_graph_on_its_own_tensors(lo
     lists as the plain run. In length order fewer batches' keys are captured than batches (the cache,
     growing past 8 positions, adds keys of their batch's own). With two lengths in turn (X, X, Y, X, X,
     ...) an X after a Y makes its buffers anew, so no graph of an earlier X may be replayed (its
-    first step's included); nor in batches with a prefix, whose histories _force_prefix replaces."""
+    first step's included); nor in batches with a prefix, whose histories _force_prefix replaces.
+    (In turns the cache never grows: a growth frees the buffers its batch took, so that the next batch
+    makes its own.)"""
     model, task, _ = loaded
     dataset = task.dataset("test")
     ordered = [int(i) for i in dataset.ordered_indices()]
@@ -333,7 +346,7 @@ def test_a_batch_of_the_last_ones_shapes_replays_its_graph_on_its_own_tensors(lo
         picked = [i for j in range(min(len(a) // 2, len(b), 5)) for i in (a[2 * j], a[2 * j + 1], b[j])]
     batches = [dataset.collater([dataset[i]]) for i in picked]
     assert len({b["net_input"]["src_tokens"].shape for b in batches}) < len(batches)
-    monkeypatch.setattr(sequence_generator, "INITIAL_CAPACITY", 8)
+    monkeypatch.setattr(sequence_generator, "INITIAL_CAPACITY", 8 if order == "length" else 256)
     options = dict(beam_size=4, len_penalty=0.6)
     prefixes = (0,) if order == "length" else (0, 2)
     refs = [translate(LSSequenceGenerator([model], task.target_dictionary, **options), model, batches, prefix)

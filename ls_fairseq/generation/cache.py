@@ -2,9 +2,9 @@
 
 - Cross-attention: every layer's keys and values of the encoder output, from one GEMM over the
   batch's sentences (not over sentences x beams), computed once per batch.
-- Self-attention: the keys and values of all layers in one preallocated buffer
-  [capacity, 2 x layers, slots, heads, d_head], written once and never reordered: at step p the
-  hypothesis in slot n writes position p of slot n. Which slot holds each earlier position of a
+- Self-attention: the keys and values of each layer in a preallocated buffer
+  [capacity, 2, slots, heads, d_head], written once and never reordered: at step p the hypothesis
+  in slot n writes position p of slot n. Which slot holds each earlier position of a
   hypothesis is the int32 table ``origin`` [hypotheses, capacity]; a beam reorder copies its rows
   (as the token history is copied), not the keys and values, and ops.decode_attention reads each
   hypothesis's keys and values through its row. The capacity doubles when a step reaches it (up
@@ -12,7 +12,9 @@
   When the cache grows, or when at most half of its slots still belong to hypotheses in the batch
   (finished sentences left it), it is rebuilt with one slot per hypothesis, each hypothesis's
   history copied into its own slot: once per growth or compaction, not once per step, and the
-  memory of finished sentences is given back.
+  memory of finished sentences is given back. The rebuild goes a layer at a time, each layer's old
+  buffer freed once copied, so that it holds the larger of the old and the new cache plus one
+  layer's buffer, not both caches.
 """
 import torch
 
@@ -32,11 +34,13 @@ class DecoderCache:
         N = B * beam_size
         if buffers is None:
             self.encoder_mask = ops.AttentionMask(self.encoder_padding)
-            self.kv = self.encoder_kv[0].new_empty(capacity, len(self.encoder_kv), N, H, D)
-            self.origin = torch.zeros(N, capacity, dtype=torch.int32, device=self.kv.device)
-            self.slots = torch.arange(N, dtype=torch.int32, device=self.kv.device)
+            first = self.encoder_kv[0]
+            self.kv = [first.new_empty(capacity, 2, N, H, D) for _ in range(len(self.encoder_kv) // 2)]
+            self.origin = torch.zeros(N, capacity, dtype=torch.int32, device=first.device)
+            self.slots = torch.arange(N, dtype=torch.int32, device=first.device)
         else:
             self._from_buffers(buffers, capacity)
+        self.buffers = buffers
         self.limit = limit
         self.generation = 0  # how often the buffers were replaced (a CUDA graph of the step keys on it)
 
@@ -53,7 +57,8 @@ class DecoderCache:
         first = self.encoder_kv[0]
         B, H, _, D = first.shape
         N = B * self.beam_size
-        self.kv = buffers.take("kv", (capacity, len(self.encoder_kv), N, H, D), first.dtype, first.device)
+        self.kv = [buffers.take("kv{}".format(i), (capacity, 2, N, H, D), first.dtype, first.device)
+                   for i in range(len(self.encoder_kv) // 2)]
         self.origin = buffers.take("origin", (N, capacity), torch.int32, first.device).zero_()
         self.slots = buffers.take("slots", (N,), torch.int32, first.device)
         torch.arange(N, dtype=torch.int32, out=self.slots)
@@ -64,15 +69,15 @@ class DecoderCache:
 
     @property
     def capacity(self):
-        return self.kv.shape[0]
+        return self.kv[0].shape[0]
 
     def prepare(self, step):
         """Before step ``step`` (the host's number), the host's decisions: the cache grown if it is
         full, or rebuilt with fewer slots if most of them belong to sentences that left the batch."""
-        capacity, N = self.kv.shape[0], self.origin.shape[0]
+        capacity, N = self.capacity, self.origin.shape[0]
         if step >= capacity:
             self._rebuild(step, max(step + 1, min(2 * capacity, self.limit or 2 * capacity)))
-        elif 2 * N <= self.kv.shape[2]:
+        elif 2 * N <= self.kv[0].shape[2]:
             self._rebuild(step, capacity)
 
     def begin_step(self, t, length):
@@ -85,15 +90,20 @@ class DecoderCache:
 
     def _rebuild(self, length, capacity):
         """A cache of ``capacity`` positions and one slot per hypothesis holding positions < ``length``
-        of each hypothesis's history in its own slot (a layer's keys or values at a time, so that
-        the copy needs no more memory than one of them)."""
+        of each hypothesis's history in its own slot, a layer at a time: each layer's old buffer is
+        freed (dropped from the Buffers it came from too) once its history is copied."""
         N = self.origin.shape[0]
-        kv = self.kv.new_empty((capacity, self.kv.shape[1], N) + self.kv.shape[3:])
-        positions = torch.arange(length, device=kv.device)[:, None]
+        positions = torch.arange(length, device=self.origin.device)[:, None]
         slots = self.origin[:, :length].t().long()
-        for part in range(kv.shape[1]):
-            kv[:length, part] = self.kv[positions, part, slots]
-        self.kv = kv
+        for layer, old in enumerate(self.kv):
+            new = old.new_empty((capacity, 2, N) + old.shape[3:])
+            for part in range(2):
+                new[:length, part] = old[positions, part, slots]
+            self.kv[layer] = new
+            if self.buffers is not None and self.buffers.kept.get("kv{}".format(layer)) is old:
+                # the next batch takes a new buffer (and so captures its graphs anew): this one is freed now
+                del self.buffers.kept["kv{}".format(layer)]
+            del old
         self.origin = self.slots[:N, None].expand(N, capacity).contiguous()
         self.generation += 1
 
@@ -102,9 +112,10 @@ class DecoderCache:
         its position and returns the attention of q [N, heads, 1, d_head] over positions 0..step."""
         N = q.shape[0]
         at = self.t.view(1)
-        self.kv.select(1, 2 * layer)[:, :N].index_copy_(0, at, k[None, :, :, 0])
-        self.kv.select(1, 2 * layer + 1)[:, :N].index_copy_(0, at, v[None, :, :, 0])
-        return decode_attention(q, self.kv, layer, self.origin, self.length)
+        kv = self.kv[layer]
+        kv.select(1, 0)[:, :N].index_copy_(0, at, k[None, :, :, 0])
+        kv.select(1, 1)[:, :N].index_copy_(0, at, v[None, :, :, 0])
+        return decode_attention(q, kv, 0, self.origin, self.length)
 
     def reorder(self, order):
         """Hypothesis n continues hypothesis ``order[n]``; ``order`` may be
