@@ -356,6 +356,46 @@ def bench_beam_select(copy_bw, sentences=128, beam=4, vocab=VOCAB):
                 kernels="{:.0f} / {:.0f}".format(stock_k, ls_k))
 
 
+def bench_beam_advance(sentences=128, beam=4, positions=201):
+    """One decoding step's bookkeeping after the candidates in a beam search of ``sentences`` x ``beam``
+    (hypotheses finished into their slots, the survivors' histories reordered): the search's torch
+    ops (beam_advance's reference, what ran before the kernel) against the beam_advance kernel, on a
+    state where a fifth of the candidates end their sentence."""
+    from types import SimpleNamespace
+
+    from ls_fairseq.ops.beam_advance import STATE, beam_advance, beam_advance_reference
+
+    B, k, L, V = sentences, beam, positions, VOCAB
+    N, dev = B * k, "cuda"
+    s = SimpleNamespace(tokens=torch.randint(3, V, (N, L + 1), device=dev), scores=torch.randn(N, L, device=dev),
+                        cum=torch.randn(N, device=dev), done=torch.zeros(B, dtype=torch.bool, device=dev),
+                        count=torch.zeros(B, dtype=torch.long, device=dev),
+                        fin_tokens=torch.ones(B, k + 1, L, dtype=torch.long, device=dev),
+                        fin_positional=torch.zeros(B, k + 1, L, device=dev),
+                        fin_score=torch.zeros(B, k + 1, device=dev), fin_length=torch.zeros(B, k + 1, dtype=torch.long,
+                                                                                            device=dev))
+    values = torch.randn(B, 2 * k, device=dev).sort(dim=1, descending=True).values
+    tokens = torch.where(torch.rand(B, 2 * k, device=dev) < 0.2, 2, torch.randint(3, V, (B, 2 * k), device=dev))
+    indices = torch.randint(0, k, (B, 2 * k), device=dev) * V + tokens
+    t, parents = torch.tensor(L // 2, device=dev), torch.zeros(N, dtype=torch.long, device=dev)
+    tensors = [getattr(s, n) for n in STATE]
+
+    def reference(_):
+        s.count.zero_()  # the same work every call: no sentence fills its slots
+        s.done.zero_()
+        beam_advance_reference(values, indices, t, *tensors, parents, 2, 1, V, 0.6, True, True)
+
+    def kernel(_):
+        s.count.zero_()
+        s.done.zero_()
+        beam_advance(values, indices, t, s, parents, 2, 1, V, 0.6, True, True)
+
+    stock_ms, stock_k = kernel_ms(reference, [None])
+    ls_ms, ls_k = kernel_ms(kernel, [None])
+    return dict(op="beam_advance (torch ops / kernel)", stock_fwd_ms=stock_ms, ls_fwd_ms=ls_ms,
+                fwd_speedup=stock_ms / ls_ms, fwd_bw_pct=None, kernels="{:.0f} / {:.0f}".format(stock_k, ls_k))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
@@ -375,6 +415,7 @@ def main():
     results.append(bench_grad_norm(dtype, copy_bw))
     results.append(bench_decode_attention(dtype, copy_bw))
     results.append(bench_beam_select(copy_bw))
+    results.append(bench_beam_advance())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(dtype=args.dtype, dropout=args.dropout, copy_gbps=copy_bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)

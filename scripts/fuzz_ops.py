@@ -41,6 +41,8 @@ from helpers import kernel_error, poison, rel_error  # noqa: E402 (the tests' ru
 from ls_fairseq import ops  # noqa: E402
 from ls_fairseq.ops import adam as adam_op  # noqa: E402
 from ls_fairseq.ops import dispatch  # noqa: E402
+from ls_fairseq.ops.beam_advance import STATE as BEAM_STATE  # noqa: E402
+from ls_fairseq.ops.beam_advance import beam_advance, beam_advance_reference  # noqa: E402
 from ls_fairseq.ops.beam_select import beam_select, beam_select_reference  # noqa: E402
 from ls_fairseq.ops.decode_attention import decode_attention, decode_attention_reference, gather_history  # noqa: E402
 from ls_fairseq.ops.attention import ATTENTION_ROUTE, attention_reference  # noqa: E402
@@ -599,6 +601,49 @@ def case_beam_select(c):
 
 
 
+def case_beam_advance(c):
+    """beam_advance against its reference: the state after the step exactly (the finished scores
+    within 1e-6), the finished buffers' discard slot aside."""
+    from types import SimpleNamespace
+
+    k = c.dim(32, (1, 4, 5, 8))
+    L = c.dim(2048, (64, 128, 129, 201, 256))
+    B = c.rows_for(k * (L + 1) * 4, 256)
+    V = c.dim(40000, (8000, 32000))
+    eos = min(2, V - 1)
+    normalize, advance = c.pick("normalize", (True, False)), c.pick("advance", (True, True, False))
+    eos_rate = c.pick("eos_rate", (0.0, 0.2, 0.6, 1.0))
+    c.params.update(B=B, k=k, L=L, V=V)
+    N, dev = B * k, c.device
+    done = torch.rand(B, device=dev) < 0.2
+    state = dict(tokens=torch.randint(0, V, (N, L + 1), device=dev), scores=torch.randn(N, L, device=dev),
+                 cum=torch.randn(N, device=dev), done=done,
+                 count=torch.where(done, k, torch.randint(0, k, (B,), device=dev)),
+                 fin_tokens=torch.randint(0, V, (B, k + 1, L), device=dev),
+                 fin_positional=torch.randn(B, k + 1, L, device=dev), fin_score=torch.randn(B, k + 1, device=dev),
+                 fin_length=torch.randint(0, L + 1, (B, k + 1), device=dev))
+    values = torch.randn(B, 2 * k, device=dev).sort(dim=1, descending=True).values
+    values = values.masked_fill(torch.rand(B, 2 * k, device=dev) < 0.1, float("-inf"))
+    tokens = torch.where(torch.rand(B, 2 * k, device=dev) < eos_rate, eos, torch.randint(0, V, (B, 2 * k), device=dev))
+    indices = torch.randint(0, k, (B, 2 * k), device=dev) * V + tokens
+    t = torch.randint(0, L, (), device=dev)
+    got, ref = SimpleNamespace(**{n: x.clone() for n, x in state.items()}), {n: x.clone() for n, x in state.items()}
+    got_parents, ref_parents = torch.zeros(N, dtype=torch.long, device=dev), torch.zeros(N, dtype=torch.long, device=dev)
+    fill_free_memory(c)
+    beam_advance(values, indices, t, got, got_parents, eos, 1, V, 0.6, normalize, advance)
+    beam_advance_reference(values, indices, t, *(ref[n] for n in BEAM_STATE), ref_parents, eos, 1, V, 0.6, normalize,
+                           advance)
+    for name in BEAM_STATE:
+        a, b = getattr(got, name), ref[name]
+        if name.startswith("fin_"):
+            a, b = a[:, :-1], b[:, :-1]
+        if name == "fin_score":  # the length penalty's pow may differ by an ulp between devices
+            c.relative(name, a, b, 1e-6)
+        else:  # copies of values and tokens: exact, -inf included
+            c.equal(name, a, b)
+    c.equal("parents", got_parents, ref_parents)
+
+
 def case_decode_attention(c):
     """decode_attention over a cache read through a random origin table (positions from random slots,
     more rows and slots than hypotheses), q as split_heads leaves it; lengths past one 1,024 chunk."""
@@ -634,6 +679,7 @@ CASES = {
     "cross_entropy": case_cross_entropy,
     "adam": case_adam,
     "beam_select": case_beam_select,
+    "beam_advance": case_beam_advance,
     "decode_attention": case_decode_attention,
 }
 assert tuple(CASES) == dispatch.OPS, "fuzz every op of dispatch.OPS, in its order"

@@ -1,13 +1,15 @@
 """ops.beam_advance: beam search's bookkeeping after the candidates, against a sentence-by-sentence
-loop over fairseq's rules, on random states: sentences done or not, end-of-sentence candidates, -inf
+loop over fairseq's rules (the reference) and against the reference (the kernel, on a GPU), on
+random states: sentences done or not, end-of-sentence candidates, -inf
 values, steps at the start and the end, rows of 1 to 301 positions."""
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import DEVICES
 
-from ls_fairseq.ops.beam_advance import STATE, beam_advance
+from ls_fairseq.ops.beam_advance import STATE, beam_advance, beam_advance_reference
 
 EOS, PAD = 2, 1
 
@@ -80,13 +82,17 @@ def loop_oracle(values, indices, t, s, V, len_penalty, normalize, advance):
     return s, parents
 
 
-def assert_same(a, pa, b, pb):
-    """Two states equal (the discard slot k of the finished buffers aside) and the parents."""
+def assert_same(a, pa, b, pb, exact_scores=True):
+    """Two states equal (the discard slot k of the finished buffers aside) and the parents; the finished
+    scores within 1e-6 unless ``exact_scores`` (a GPU's pow of the length penalty may differ by an ulp)."""
     for name in STATE:
         x, y = getattr(a, name), getattr(b, name)
         if name.startswith("fin_"):
             x, y = x[:, :-1], y[:, :-1]
-        assert torch.equal(x.cpu(), y.cpu()), name
+        if name == "fin_score" and not exact_scores:
+            torch.testing.assert_close(x.cpu(), y.cpu(), rtol=1e-6, atol=0, msg=name)
+        else:
+            assert torch.equal(x.cpu(), y.cpu()), name
     assert torch.equal(pa.cpu(), pb.cpu())
 
 
@@ -121,3 +127,19 @@ def test_bad_shapes_are_named():
         beam_advance(values, indices, t, s, parents, EOS, PAD, 11)
     with pytest.raises(ValueError, match="must be fp32 and int64"):
         beam_advance(values.double(), indices, t, s, parents, EOS, PAD, 11)
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+@pytest.mark.parametrize("B,k,L", [(1, 1, 1), (13, 4, 201), (5, 5, 129), (3, 32, 300), (128, 4, 64)])
+@pytest.mark.parametrize("normalize,advance", [(True, True), (False, True), (True, False)])
+def test_kernel_equals_the_reference(device, B, k, L, normalize, advance):
+    from ls_fairseq.ops import dispatch
+
+    V = 32000
+    s, values, indices, t, parents = random_state(B, k, L, V, device)
+    ref, ref_parents = copy_state(s), parents.clone()
+    beam_advance_reference(values, indices, t, *(getattr(ref, n) for n in STATE), ref_parents, EOS, PAD, V, 0.6,
+                           normalize, advance)
+    assert dispatch.use_kernel("beam_advance", values)
+    beam_advance(values, indices, t, s, parents, EOS, PAD, V, 0.6, normalize, advance)
+    assert_same(s, parents, ref, ref_parents, exact_scores=False)

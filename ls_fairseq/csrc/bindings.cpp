@@ -706,6 +706,53 @@ std::tuple<Tensor, Tensor> beam_select(const Tensor& scores, int64_t k, int64_t 
   return {values, indices};
 }
 
+// ---- beam_advance ----
+// values fp32 [B, 2k], indices int64 [B, 2k], step int64 [1], the state (ops/beam_advance.py's shapes), all
+// contiguous on one device; updated in place
+void beam_advance(const Tensor& values, const Tensor& indices, const Tensor& step, const Tensor& tokens,
+                  const Tensor& scores, const Tensor& cum, const Tensor& done, const Tensor& count,
+                  const Tensor& fin_tokens, const Tensor& fin_positional, const Tensor& fin_score,
+                  const Tensor& fin_length, const Tensor& parents, int64_t eos, int64_t pad, int64_t vocab,
+                  double len_penalty, bool normalize, bool advance) {
+  check(values, "values");
+  TORCH_CHECK(values.scalar_type() == at::kFloat && values.dim() == 2 && values.size(1) % 2 == 0,
+              "beam_advance: values must be fp32 [sentences, 2 x beam], got ", values.scalar_type(), " ",
+              values.sizes());
+  const int64_t B = values.size(0), k = values.size(1) / 2, N = B * k, L = fin_tokens.dim() == 3 ? fin_tokens.size(2) : 0;
+  TORCH_CHECK(1 <= k && k <= ls::kBeamAdvanceMaxBeam, "beam_advance: beam ", k, " must be within 1..",
+              ls::kBeamAdvanceMaxBeam);
+  TORCH_CHECK(vocab > 0, "beam_advance: vocab must be positive, got ", vocab);
+  const struct {
+    const Tensor& t;
+    const char* name;
+    at::ScalarType type;
+    std::vector<int64_t> shape;
+  } expected[] = {
+      {indices, "indices", at::kLong, {B, 2 * k}},   {step, "step", at::kLong, {1}},
+      {tokens, "tokens", at::kLong, {N, L + 1}},     {scores, "scores", at::kFloat, {N, L}},
+      {cum, "cum", at::kFloat, {N}},                 {done, "done", at::kBool, {B}},
+      {count, "count", at::kLong, {B}},              {fin_tokens, "fin_tokens", at::kLong, {B, k + 1, L}},
+      {fin_positional, "fin_positional", at::kFloat, {B, k + 1, L}},
+      {fin_score, "fin_score", at::kFloat, {B, k + 1}}, {fin_length, "fin_length", at::kLong, {B, k + 1}},
+      {parents, "parents", at::kLong, {N}},
+  };
+  for (const auto& e : expected) {
+    check(e.t, e.name);
+    TORCH_CHECK(e.t.device() == values.device(), "beam_advance: ", e.name, " must be on ", values.device());
+    TORCH_CHECK(e.t.scalar_type() == e.type, "beam_advance: ", e.name, " must be ", e.type, ", got ",
+                e.t.scalar_type());
+    check_shape(e.t, e.shape, e.name);
+  }
+  TORCH_CHECK(L >= 1 && L < (int64_t(1) << 31), "beam_advance: ", L, " positions; 1..2^31 - 1 expected");
+  const c10::cuda::CUDAGuard guard(values.device());
+  ls::beam_advance(values.data_ptr<float>(), indices.data_ptr<int64_t>(), step.data_ptr<int64_t>(),
+                   tokens.data_ptr<int64_t>(), scores.data_ptr<float>(), cum.data_ptr<float>(), done.data_ptr<bool>(),
+                   count.data_ptr<int64_t>(), fin_tokens.data_ptr<int64_t>(), fin_positional.data_ptr<float>(),
+                   fin_score.data_ptr<float>(), fin_length.data_ptr<int64_t>(), parents.data_ptr<int64_t>(), B, int(k),
+                   int(L), eos, pad, vocab, len_penalty, normalize, advance, stream());
+  CHECK_CUDA_OK();
+}
+
 // ---- decode_attention ----
 // q [N, heads, 1, d_head] (rows of heads x d_head contiguous), cache [capacity, 2 x layers, slots, heads,
 // d_head] contiguous, origin int32 [>= N, >= length] with unit stride along positions -> [N, heads, 1, d_head];
@@ -876,6 +923,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_backward", &cross_entropy_backward);
   m.attr("beam_select_max_groups") = ls::kBeamSelectMaxGroups;
   m.def("beam_select", &beam_select);
+  m.attr("beam_advance_max_beam") = ls::kBeamAdvanceMaxBeam;
+  m.def("beam_advance", &beam_advance);
   m.def("decode_attention", &decode_attention);
   m.def("adam_step", &adam_step);
   m.def("grad_norm", &grad_norm);

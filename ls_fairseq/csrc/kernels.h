@@ -163,6 +163,15 @@ constexpr int kBeamSelectMaxGroups = 1024;
 void beam_select(DType dt, const void* scores, void* values, int64_t* indices, int64_t rows, int64_t M, int k,
                  int groups, cudaStream_t stream);
 
+// beam_advance.cu: beam search's bookkeeping after beam_select for `sentences` sentences of k beams
+// (k <= kBeamAdvanceMaxBeam), L positions, the step read from device memory; the state in place (shapes in
+// ls_fairseq/ops/beam_advance.py)
+constexpr int kBeamAdvanceMaxBeam = 32;
+void beam_advance(const float* values, const int64_t* indices, const int64_t* step, int64_t* tokens, float* scores,
+                  float* cum, bool* done, int64_t* count, int64_t* fin_tokens, float* fin_positional, float* fin_score,
+                  int64_t* fin_length, int64_t* parents, int64_t sentences, int k, int L, int64_t eos, int64_t pad,
+                  int64_t vocab, double len_penalty, bool normalize, bool advance, cudaStream_t stream);
+
 // decode_attention.cu: one decoding step's self-attention, q [hypotheses, heads, head_dim] (row n at
 // n * q_stride) over positions 0..length-1 of a cache written once: position p of hypothesis n is cache
 // slot origin[n * origin_stride + p], its keys at keys + p * position_stride + slot * slot_stride +

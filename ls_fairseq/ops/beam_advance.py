@@ -22,11 +22,15 @@ fin_length [B, k + 1] int64 (slot k takes what is not kept: its contents are und
 ``parents`` [N] int64 (written).
 
 The reference is the search's torch ops: fairseq's steps as batched tensor ops (some 40 small
-kernels a step on a GPU).
+kernels a step on a GPU); the kernel (csrc/beam_advance.cu) does the same in one launch, one block
+a sentence.
 """
 import math
 
 import torch
+
+from ls_fairseq.ops import dispatch
+from ls_fairseq.ops.dispatch import _C
 
 STATE = ("tokens", "scores", "cum", "done", "count", "fin_tokens", "fin_positional", "fin_score", "fin_length")
 
@@ -76,6 +80,20 @@ def beam_advance_reference(values, indices, t, tokens, scores, cum, done, count,
     scores.scatter_(1, t.expand(parents.shape[0], 1), cum[:, None])
 
 
+def beam_advance_kernel(values, indices, t, tokens, scores, cum, done, count, fin_tokens, fin_positional, fin_score,
+                        fin_length, parents, eos, pad, vocab, len_penalty, normalize, advance):
+    _C.beam_advance(values, indices, t.view(1), tokens, scores, cum, done, count, fin_tokens, fin_positional, fin_score,
+                    fin_length, parents, eos, pad, vocab, float(len_penalty), bool(normalize), bool(advance))
+
+
+# an extension built before this op (dispatch warns that it is older than its sources): the reference
+BEAM_ADVANCE_ROUTE = dispatch.Route(
+    "beam_advance",
+    kernel=beam_advance_kernel if _C is not None and hasattr(_C, "beam_advance") else None,
+    reference=beam_advance_reference,
+)
+
+
 def beam_advance(values, indices, t, state, parents, eos, pad, vocab, len_penalty=1.0, normalize=True, advance=True):
     """See the module docstring."""
     tensors = [getattr(state, name) for name in STATE]
@@ -95,4 +113,8 @@ def beam_advance(values, indices, t, state, parents, eos, pad, vocab, len_penalt
     if tuple(parents.shape) != (N,) or t.dim() != 0 or t.dtype != torch.int64:
         raise ValueError("beam_advance: parents {} must be [{}] and t a 0-d int64 tensor, got {} {}".format(
             tuple(parents.shape), N, t.dtype, tuple(t.shape)))
-    beam_advance_reference(values, indices, t, *tensors, parents, eos, pad, vocab, len_penalty, normalize, advance)
+    run = BEAM_ADVANCE_ROUTE.pick(values)
+    if run is not beam_advance_reference and (k > _C.beam_advance_max_beam
+                                              or not all(x.is_contiguous() for x in tensors + [values, indices, parents])):
+        run = beam_advance_reference  # the kernel keeps a beam's bookkeeping in fixed shared arrays
+    run(values, indices, t, *tensors, parents, eos, pad, vocab, len_penalty, normalize, advance)
