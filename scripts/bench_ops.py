@@ -315,6 +315,26 @@ def bench_linear(dtype):
                 fwd_bw_pct=None, kernels="{:.0f} / {:.0f}".format(st_k, ls_k))  # GEMMs: compute-bound
 
 
+def bench_linear_bias_act(dtype):
+    """The FFN's first GEMM with its bias and ReLU, forward and backward: fairseq's (F.linear with the bias,
+    then relu) against ops.linear_bias_act (bias + ReLU in the GEMM's epilogue, the bias's gradient with
+    the ReLU's), both weights' gradients allocated as ls_adam has them. Time of all the kernels."""
+    from ls_fairseq.ops.workspace import accumulate_in_place
+
+    x, dy = rand(TOKENS, HIDDEN, dtype=dtype).requires_grad_(), rand(TOKENS, FFN, dtype=dtype)
+    results = {}
+    for label, fn in (("stock", lambda x, w, b: torch.relu(torch.nn.functional.linear(x, w, b))),
+                      ("ls", ops.linear_bias_act)):
+        w, b = rand(FFN, HIDDEN, dtype=dtype).requires_grad_(), rand(FFN, dtype=dtype).requires_grad_()
+        w.grad, b.grad = torch.zeros_like(w), torch.zeros_like(b)
+        if label == "ls":
+            accumulate_in_place([w, b])
+        results[label] = kernel_ms(lambda _: fn(x, w, b).backward(dy), [None])
+    (st_ms, st_k), (ls_ms, ls_k) = results["stock"], results["ls"]
+    return dict(op="linear_bias_act (fwd+bwd)", stock_fwd_ms=st_ms, ls_fwd_ms=ls_ms, fwd_speedup=st_ms / ls_ms,
+                fwd_bw_pct=None, kernels="{:.0f} / {:.0f}".format(st_k, ls_k))  # GEMMs: compute-bound
+
+
 def bench_decode_attention(dtype, copy_bw, hypotheses=512, length=100, layers=6):
     """One decoding step's self-attention of one layer in a transformer-big beam search (128 sentences x
     beam 4, the step at position ``length``): fairseq's way, the reorder of the layer's keys and values
@@ -411,6 +431,7 @@ def main():
     results = [bench_forward_backward(*row, copy_bw=copy_bw) for row in benches(dtype, args.dropout)]
     torch.cuda.empty_cache()
     results.append(bench_linear(dtype))
+    results.append(bench_linear_bias_act(dtype))
     results.append(bench_adam(dtype, copy_bw))
     results.append(bench_grad_norm(dtype, copy_bw))
     results.append(bench_decode_attention(dtype, copy_bw))

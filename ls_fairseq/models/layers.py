@@ -7,7 +7,7 @@ other operation through one fused op. Activations are batch-major [B, T, d].
   self-attention:  LN? -> GEMM(qkv) -> split_heads(+bias, q scaled; token-major, so that
                    attention's output merges its heads as a view) -> attention
                    -> GEMM(out, heads merged inside) -> bias_dropout_residual (-> LN: one op)
-  FFN:             LN? -> GEMM(fc1) -> bias_act_dropout -> GEMM(fc2)
+  FFN:             LN? -> GEMM(fc1) with bias + ReLU in its epilogue (or then bias_act_dropout) -> GEMM(fc2)
                    -> bias_dropout_residual (-> LN: one op)
 
 In backward the residual's gradient is not added by autograd: the block's end hands it to
@@ -106,10 +106,8 @@ class _Layer(nn.Module):
 
     def _ffn(self, x):
         h, residual, gemm_residual = self._block_input(x, self.final_layer_norm)
-        h = ops.bias_act_dropout(
-            ops.linear(h, self.fc1.weight, residual_grad=gemm_residual), self.fc1.bias, self.activation_fn,
-            self.activation_dropout, self.training
-        )
+        h = ops.linear_bias_act(h, self.fc1.weight, self.fc1.bias, self.activation_fn, self.activation_dropout,
+                                self.training, residual_grad=gemm_residual)
         return self._block_output(ops.linear(h, self.fc2.weight), self.fc2.bias, x, self.final_layer_norm, residual)
 
 

@@ -10,6 +10,7 @@ from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy
 from ls_fairseq.ops.embedding import embedding, make_positions
 from ls_fairseq.ops.layer_norm import layer_norm
 from ls_fairseq.ops.linear import linear
+from ls_fairseq.ops.linear_bias_act import linear_bias_act
 from ls_fairseq.ops.qkv import merge_heads, split_heads
 from ls_fairseq.ops.residual import ResidualGrad
 from ls_fairseq.ops.softmax import softmax
@@ -27,6 +28,7 @@ __all__ = [
     "label_smoothed_cross_entropy",
     "layer_norm",
     "linear",
+    "linear_bias_act",
     "make_positions",
     "merge_heads",
     "new_scaler_state",
