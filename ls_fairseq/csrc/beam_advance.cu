@@ -4,7 +4,7 @@
 // done, written whole into the sentence's free slots with the length-penalised score) and
 // active_hypos (the first k candidates that do not end the sentence continue: parents, the token
 // histories and positional scores reordered into the new beam order, the new token and cumulative
-// score) into one launch, where the search's torch ops took some 40 small kernels a step. Nothing
+// score) into one launch, where the search's torch ops took some 60 small kernels a step. Nothing
 // but the search's state is written: no candidate masks, ranks or reordered copies; the k rows of a
 // sentence pass through shared memory a chunk of positions at a time, so the reorder is in place.
 // ls_fairseq/ops/beam_advance.py is the contract and its reference.

@@ -21,7 +21,7 @@ int64, fin_tokens [B, k + 1, L] int64, fin_positional [B, k + 1, L] fp32, fin_sc
 fin_length [B, k + 1] int64 (slot k takes what is not kept: its contents are undefined); and
 ``parents`` [N] int64 (written).
 
-The reference is the search's torch ops: fairseq's steps as batched tensor ops (some 40 small
+The reference is the search's torch ops: fairseq's steps as batched tensor ops (some 60 small
 kernels a step on a GPU); the kernel (csrc/beam_advance.cu) does the same in one launch, one block
 a sentence.
 """
@@ -116,5 +116,5 @@ def beam_advance(values, indices, t, state, parents, eos, pad, vocab, len_penalt
     run = BEAM_ADVANCE_ROUTE.pick(values)
     if run is not beam_advance_reference and (k > _C.beam_advance_max_beam
                                               or not all(x.is_contiguous() for x in tensors + [values, indices, parents])):
-        run = beam_advance_reference  # the kernel keeps a beam's bookkeeping in fixed shared arrays
+        run = beam_advance_reference  # the kernel: contiguous tensors, beams that fit its fixed shared arrays
     run(values, indices, t, *tensors, parents, eos, pad, vocab, len_penalty, normalize, advance)
