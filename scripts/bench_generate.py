@@ -136,8 +136,13 @@ def time_system(generator, model, task, samples, device):
     others = 0
     if device == "cuda":
         # memory that is not this system's, taken before its warm-up (whose buffers are its own): the
-        # other systems' weights (the collection frees an earlier generator held by a reference cycle)
+        # other systems' weights (the collection frees an earlier generator held by a reference cycle).
+        # cuBLAS's workspaces (one per stream that ran a GEMM, ~33 MiB each on an H200) are released
+        # first, so each system pays for those of the streams it uses, as if alone in the process
         gc.collect()
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
         others = torch.cuda.memory_allocated() - sum(p.numel() * p.element_size() for p in model.parameters())
     for sample in samples[:2]:  # untimed: one-time set-up
         task.inference_step(generator, [model], move(sample, device))

@@ -39,6 +39,9 @@ def main(argv=None):
                         "they leave the batch (default: the generator's)")
     parser.add_argument("--sentences", type=int, default=None,
                         help="the whole-run breakdown over the test set's first N sentences (see above)")
+    parser.add_argument("--memory", action="store_true",
+                        help="with --sentences, on a GPU: what the memory held at the translation's peak, by "
+                             "the place (file:line) that allocated it, cuBLAS's workspaces by stream")
     args = parser.parse_args(argv)
     if args.sentences:
         return breakdown(args)
@@ -141,9 +144,14 @@ def breakdown(args):
         sync()
         return time.perf_counter() - start
 
+    if args.memory and device == "cuda":
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
     for sample in samples[:2]:  # untimed, as bench_generate: one-time set-up
         task.inference_step(generator, [model], move(sample, device))
     plain = run_all()
+    if args.memory and device == "cuda":
+        print_memory_peak(torch.cuda.memory._snapshot(), args.top)
+        torch.cuda.memory._record_memory_history(enabled=None)
 
     parts, counts, inside = {}, {}, [False]
 
@@ -212,6 +220,37 @@ def breakdown(args):
     print("| --- | --- | --- | --- |")
     for name, seconds in sorted(parts.items(), key=lambda item: -item[1]):
         print("| {} | {:.1f} | {:.1%} | {} |".format(name, 1e3 * seconds, seconds / total, counts.get(name, "-")))
+
+
+def print_memory_peak(snapshot, top):
+    """The allocations live at the peak of a recorded memory history (blocks made before the recording
+    began are not in it: the weights), grouped by the innermost frame of the repository or fairseq
+    that made them (a cuBLAS workspace is named by its stream), largest first."""
+    import torch
+
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for event in snapshot["device_traces"][torch.cuda.current_device()]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+        if total > peak:
+            peak, at_peak = total, dict(live)
+    groups = {}
+    for event in at_peak.values():
+        frames = [f for f in event.get("frames", []) if "ls_fairseq" in f["filename"] or "fairseq" in f["filename"]]
+        if frames:
+            place = "{}:{} ({})".format(os.path.relpath(frames[0]["filename"], REPO), frames[0]["line"], frames[0]["name"])
+        else:
+            place = "no Python frame, stream {}".format(event["stream"])
+        size, count = groups.get(place, (0, 0))
+        groups[place] = (size + event["size"], count + 1)
+    print("profile_generate: peak {:.1f} MiB above what was allocated before the recording".format(peak / 2**20))
+    print("| allocated at | MiB | blocks |")
+    print("| --- | --- | --- |")
+    for place, (size, count) in sorted(groups.items(), key=lambda item: -item[1][0])[:top]:
+        print("| {} | {:.2f} | {} |".format(place, size / 2**20, count))
 
 
 if __name__ == "__main__":

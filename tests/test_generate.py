@@ -205,6 +205,26 @@ def test_sync_points_compaction_and_cache_growth_leave_the_result(few, monkeypat
         assert len(set(steps)) > len(batches)
 
 
+@pytest.mark.parametrize("sync_every,compact_fraction", [(1, 0.0), (2, 0.25)])
+def test_deferred_reads_leave_the_result(few, monkeypatch, sync_every, compact_fraction):
+    """Acting at each sync point on the flags of the one before (as on a GPU with CUDA graphs), their
+    rows followed through compactions: the same n-best lists, finished sentences still leave the
+    batch, and every read is of a sync point's flags or the results."""
+    model, task, batches = few
+    reads = []
+    monkeypatch.setattr(sequence_generator, "host_read", lambda t: reads.append(t.numel()) or t.cpu())
+    steps = []
+    decode_step = model.decoder.decode_step
+    monkeypatch.setattr(model.decoder, "decode_step", lambda *a: steps.append(a[0].shape[0]) or decode_step(*a))
+    options = dict(beam_size=4, len_penalty=0.6, **CAPPED)
+    ref = translate(stock_generator(model, task, **options), model, batches)
+    gen = LSSequenceGenerator([model], task.target_dictionary, sync_every=sync_every, compact_fraction=compact_fraction,
+                              deferred_reads=True, **options)
+    assert_same_nbest(ref, translate(gen, model, batches))
+    assert len(set(steps)) > len(batches)
+    assert len(batches) <= len(reads) <= len(steps) // sync_every + 2 * len(batches)
+
+
 @pytest.mark.parametrize("buffered", [False, True])
 def test_cache_gives_each_hypothesis_its_history_through_reorders_growth_and_compaction(buffered):
     """DecoderCache against the reorder-by-copy it replaces (fairseq's: every layer's keys and values

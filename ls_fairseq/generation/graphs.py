@@ -28,13 +28,26 @@ import torch
 from ls_fairseq.cuda_graphs import on_stream
 
 
+_STREAMS = {}
+
+
+def decoding_stream(device):
+    """The stream that the generators on ``device`` run their batches on, one per device: every
+    stream that runs a cuBLAS GEMM gets its own workspace (33 MiB on an H200), which lives as long
+    as the process, so the encoder, the eager steps and the captures all use this one."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = torch.cuda.Stream(device=index)
+    return _STREAMS[index]
+
+
 class StepGraph:
     def __init__(self):
         self.key = None
         self.graph = None
         self.previous = None  # the last graph replayed, kept for its hold on the pool
         self.pool = None
-        self.stream = None
+        self.stream = None  # the stream its steps run and are captured on (the generator sets it)
         self.warmed = 0  # the largest extent a step ran eagerly at
         self.captured = 0  # graphs captured so far (tests and benchmarks read it)
 

@@ -15,12 +15,13 @@ What differs is where it runs. Every step is batched tensor ops with shapes fixe
 batch; the self-attention's keys and values written once, a beam reorder copying a table of slot
 numbers), candidates from ops.beam_select, finished hypotheses written into per-sentence slots and
 the survivors' histories reordered by ops.beam_advance, the sentence's done flag and the stop test as
-tensors. Nothing in a step reads a tensor
-back to the host: no .item(), no boolean-mask indexing, no branch on a value. Every ``sync_every`` steps the host reads
-the sentences' done flags (one small copy): it stops when all are done, and when at least
-``compact_fraction`` of the batch is done it drops those sentences (their results kept), as
-fairseq drops each finished sentence at once. Finished sentences still in the batch run on
-without effect until then.
+tensors. Nothing in a step reads a tensor back to the host: no .item(), no boolean-mask indexing,
+no branch on a value. Every ``sync_every`` steps the host reads the sentences' done flags (one
+small copy; with CUDA graphs those of the sync point before, so that the device works meanwhile):
+it stops when all are done, and when at least ``compact_fraction`` of the batch is done it drops
+those sentences (their results kept), as fairseq drops each finished sentence at once. Finished
+sentences still in the batch run on without effect until then. On a GPU the batch runs on a
+stream of its own (the CUDA graphs' capture stream) and the results are assembled on the caller's.
 
 Two deliberate differences, both where fairseq's own results are not defined by its search:
 - the order among candidates of exactly equal score (fairseq's is torch.topk's, unspecified;
@@ -40,7 +41,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ls_fairseq.generation.cache import DecoderCache
-from ls_fairseq.generation.graphs import Buffers, StepGraph, new_tensor
+from ls_fairseq.cuda_graphs import on_stream
+from ls_fairseq.generation.graphs import Buffers, StepGraph, decoding_stream, new_tensor
 from ls_fairseq.ops.beam_advance import beam_advance
 from ls_fairseq.ops.beam_select import beam_select
 from ls_fairseq.ops.embedding import sinusoid_tables_made
@@ -57,6 +59,32 @@ def graphs_on(device):
 def host_read(tensor):
     """The generator's only reads of device values, at its sync points (tests count them)."""
     return tensor.cpu()
+
+
+class _PendingRead:
+    """A copy of a small device tensor to the host, queued now and read later: on a GPU into pinned
+    memory behind an event, so that the host goes on while the device catches up. ``rows``: which of
+    the copy's entries the batch's sentences are now (None: all, in order), after compactions."""
+
+    def __init__(self, tensor):
+        self.rows = None
+        if tensor.device.type != "cuda":
+            self.copy, self.event = tensor.clone(), None
+            return
+        self.copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.copy.copy_(tensor, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def keep(self, kept):
+        """Only the sentences ``kept`` (host indices into the current ones) stay in the batch."""
+        self.rows = kept if self.rows is None else self.rows[kept]
+
+    def value(self):
+        if self.event is not None:
+            self.event.synchronize()
+        values = host_read(self.copy)
+        return values if self.rows is None else values[self.rows]
 
 
 def to_device(host_tensor, device):
@@ -85,13 +113,18 @@ class LSSequenceGenerator(nn.Module):
         sync_every=None,
         compact_fraction=None,
         cuda_graphs=True,
+        deferred_reads=None,
     ):
         """``models``: one ls_transformer model; the other arguments as fairseq's SequenceGenerator's.
         ``sync_every``: steps between the host's reads of the done flags (default: 1 for a model on
         the CPU, where a read costs nothing, else 8); ``compact_fraction``: the fraction of the
         batch's sentences that must be done before they are dropped at a sync point (default: any
         on the CPU, as fairseq drops them, else a quarter: dropping copies the caches once);
-        ``cuda_graphs``: on a GPU, replay the ordinary steps from a CUDA graph (generation.graphs)."""
+        ``cuda_graphs``: on a GPU, replay the ordinary steps from a CUDA graph (generation.graphs);
+        ``deferred_reads``: act at each sync point on the done flags of the one before (default: where
+        the steps run through CUDA graphs), so that the device is never idle while the host compacts
+        the batch and captures the next graph; the batch then runs on up to ``sync_every`` steps past
+        its end, which with a sentence or two left costs less than an idle device at every capture."""
         super().__init__()
         if len(models) != 1:
             raise ValueError("LSSequenceGenerator: one model, not an ensemble of {}".format(len(models)))
@@ -115,6 +148,7 @@ class LSSequenceGenerator(nn.Module):
         self.unk_penalty, self.temperature = unk_penalty, temperature
         self.no_repeat_ngram_size = no_repeat_ngram_size
         self.sync_every, self.compact_fraction = sync_every, compact_fraction
+        self.deferred_reads = deferred_reads
         self.step_graph = StepGraph() if cuda_graphs else None
         # a batch's first step, in a graph of its own, where batches of one shape follow each other
         self.first_step_graph = StepGraph() if cuda_graphs else None
@@ -154,11 +188,8 @@ class LSSequenceGenerator(nn.Module):
     def _generate(self, sample, prefix_tokens=None, constraints=None, bos_token=None):
         if constraints is not None:
             raise NotImplementedError("Target-side constraints were provided, but search method doesn't support them")
-        net_input = sample["net_input"]
-        src_tokens = net_input["src_tokens"]
-        B, src_len = src_tokens.shape[:2]
-        k, V, device = self.beam_size, self.vocab_size, src_tokens.device
-        max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
+        device = sample["net_input"]["src_tokens"].device
+        max_len = self._max_len(sample)
         if self.min_len > max_len:
             raise ValueError("min_len cannot be larger than max_len, please adjust these! (--min-len {}, "
                              "maximum length {})".format(self.min_len, max_len))
@@ -168,6 +199,25 @@ class LSSequenceGenerator(nn.Module):
             compact_fraction = 0.0 if device.type == "cpu" else 0.25
 
         graph = self.step_graph if graphs_on(device) else None
+        if graph is None or device.type != "cuda":
+            return self._search(sample, prefix_tokens, bos_token, graph, sync_every, compact_fraction).results()
+        # the whole batch on the graphs' stream (one cuBLAS workspace, not one per stream); the results
+        # assembled on the caller's, after that stream's work
+        stream = decoding_stream(device)
+        graph.stream = self.first_step_graph.stream = stream
+        with on_stream(stream):
+            s = self._search(sample, prefix_tokens, bos_token, graph, sync_every, compact_fraction)
+        return s.results()
+
+    def _search(self, sample, prefix_tokens, bos_token, graph, sync_every, compact_fraction):
+        """The beam search over ``sample``'s batch (its steps through ``graph``, a StepGraph, or all
+        eager where None); returns the final _State."""
+        net_input = sample["net_input"]
+        src_tokens = net_input["src_tokens"]
+        B, src_len = src_tokens.shape[:2]
+        k, device = self.beam_size, src_tokens.device
+        max_len = self._max_len(sample)
+        deferred = self.deferred_reads if self.deferred_reads is not None else graph is not None
         buffers = self.buffers if graph is not None else None
         take = buffers.take if buffers is not None else new_tensor
         encoder_out = self.model.encoder.forward_torchscript(net_input)
@@ -192,6 +242,7 @@ class LSSequenceGenerator(nn.Module):
         # a batch of shapes seen once captures no graph it will not replay
         first = shapes is not None and shapes == self.last_shapes and max_len > 0
         self.last_shapes = shapes
+        pending = None  # the done flags read at the last sync point, on their way to the host
         for step in range(max_len + 1):
             t.fill_(step)
             cache.prepare(step)
@@ -210,11 +261,24 @@ class LSSequenceGenerator(nn.Module):
             reorder = k > 1
 
             if (step + 1) % sync_every == 0:
-                done = host_read(s.done)
+                read = _PendingRead(s.done)
+                # deferred: the host acts on the flags of the sync point before (one interval late), so
+                # that the device runs this interval's steps while the host compacts and captures; a
+                # batch of one sentence left (only the stop to decide) reads its own at once
+                if deferred and s.done.numel() > 1:
+                    read, pending = pending, read
+                else:
+                    pending = None
+                if read is None:
+                    continue
+                done = read.value()
                 if bool(done.all()):
                     break
                 if int(done.sum()) >= max(1, compact_fraction * done.numel()):
-                    keep = to_device((~done).nonzero().view(-1), device)
+                    kept = (~done).nonzero().view(-1)
+                    if pending is not None:
+                        pending.keep(kept)
+                    keep = to_device(kept, device)
                     leave = to_device(done.nonzero().view(-1), device)
                     s = s.keep(keep, leave)
                     cache.keep_sentences(keep)
@@ -225,7 +289,13 @@ class LSSequenceGenerator(nn.Module):
                     if prefix_tokens is not None:
                         prefix_tokens = prefix_tokens[keep]
                     reorder, phase = True, phase + 1
-        return s.results()
+        return s
+
+    def _max_len(self, sample):
+        """The longest output of ``sample``'s batch (fairseq's: max_len_a x source length + max_len_b,
+        within the model's positions)."""
+        src_len = sample["net_input"]["src_tokens"].shape[1]
+        return min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
 
     def _ordinary(self, step, max_len, prefix_tokens):
         """Whether step ``step`` does what every other ordinary step does, on the device alone: past
