@@ -282,9 +282,9 @@ def test_cache_gives_each_hypothesis_its_history_through_reorders_growth_and_com
 
 
 def ordinary(gen, step, max_len, prefix_tokens, reorder, k):
-    """The steps a CUDA graph of the step could replay: past the minimum length and the prefix, before
-    the maximum length, no n-gram blocking, and a reorder as every later step has."""
-    return (gen.min_len <= step < max_len and gen.no_repeat_ngram_size == 0 and reorder == (k > 1)
+    """The steps a CUDA graph of the step could replay: past the prefix, before the maximum length, no
+    n-gram blocking (the first step too, and those below the minimum length)."""
+    return (step < max_len and gen.no_repeat_ngram_size == 0 and reorder == (k > 1)
             and (prefix_tokens is None or step >= prefix_tokens.shape[1]))
 
 
@@ -329,6 +329,7 @@ class _ArgumentGraph:
 
     def __init__(self):
         self.key, self.arguments, self.captured, self.replayed = None, None, [], 0
+        self.replayed_first = 0  # replays of a key at a batch's first step (a key of an earlier batch)
 
     def run(self, key, step, extent):
         if key != self.key:
@@ -337,6 +338,7 @@ class _ArgumentGraph:
             self.captured.append(key)
             return
         gen, s, cache, parents, t, _, *rest = self.arguments
+        self.replayed_first += int(t) == 0
         STEP(gen, s, cache, parents, t, t + 1, *rest)
         self.replayed += 1
 
@@ -379,17 +381,17 @@ def test_a_batch_of_the_last_ones_shapes_replays_its_graph_on_its_own_tensors(lo
     monkeypatch.setattr(LSSequenceGenerator, "_step", recorded)
     monkeypatch.setattr(sequence_generator, "graphs_on", lambda device: True)
     gen = LSSequenceGenerator([model], task.target_dictionary, **options)
-    gen.step_graph, gen.first_step_graph = _ArgumentGraph(), _ArgumentGraph()
+    gen.step_graph = _ArgumentGraph()
     for prefix, ref in zip(prefixes, refs):
         assert_same_nbest(ref, translate(gen, model, batches, prefix))
     by_shapes = [key for key in gen.step_graph.captured if key[0] == "shapes"]
-    print("{}: {} batches, {} shapes (keys) captured, {} first steps replayed".format(
-        order, len(batches), len(by_shapes), gen.first_step_graph.replayed))
-    if order == "length":
-        assert len(by_shapes) < len(batches) and gen.step_graph.replayed > 0 and gen.first_step_graph.replayed > 0
-    else:  # the second X of each pair captured its first step anew (its buffers were made after a Y)
-        first = gen.first_step_graph
-        assert len(first.captured) == len(set(first.captured)) == len(picked) // 3 and first.replayed == 0
+    print("{}: {} batches, {} shapes (keys) captured, {} steps of a batch's first key replayed".format(
+        order, len(batches), len(by_shapes), gen.step_graph.replayed_first))
+    if order == "length":  # a batch of the last one's shapes replays that batch's graph from its first step
+        assert len(by_shapes) < len(batches) and gen.step_graph.replayed_first > 0
+    else:  # the first X of a pair captures anew (its buffers were made after a Y), the second replays it
+        pairs = len(picked) // 3
+        assert len(by_shapes) == len(set(by_shapes)) == 2 * pairs and gen.step_graph.replayed_first == pairs
 
 
 def random_pair(**overrides):
@@ -695,7 +697,7 @@ def test_gpu_sentences_one_at_a_time_replay_the_last_ones_graphs(loaded, dtype):
     dataset = task.dataset("test")
     batches = [dataset.collater([dataset[int(i)]]) for i in dataset.ordered_indices()[:40]]
     gen, eager, graphed = eager_and_graphed(model, task, batches, dtype, beam_size=4, len_penalty=0.6)
-    assert gen.step_graph.captured < len(batches) and gen.first_step_graph.captured >= 1
+    assert gen.step_graph.captured < len(batches)
     assert_same_nbest(eager, graphed)
 
 

@@ -3,7 +3,7 @@
 A decoding step launches ~430 kernels (the decoder's layers and the search's bookkeeping), and on
 the H200 the host's side of them takes several times the GPU's (docs/perf-log.md): the GPU idles.
 ``LSSequenceGenerator`` runs its steps through ``StepGraph.run`` where a step is ordinary (past the
-minimum length and the prefix, before the maximum length, without n-gram blocking): every such
+prefix, before the maximum length, without n-gram blocking; the first step too): every such
 step of a batch does the same work on the same tensors, reading the step from a device tensor, so
 one capture serves them all.
 

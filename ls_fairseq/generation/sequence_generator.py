@@ -17,10 +17,10 @@ numbers), candidates from ops.beam_select, finished hypotheses written into per-
 the survivors' histories reordered by ops.beam_advance, the sentence's done flag and the stop test as
 tensors. Nothing in a step reads a tensor back to the host: no .item(), no boolean-mask indexing,
 no branch on a value. Every ``sync_every`` steps the host reads the sentences' done flags (one
-small copy; with CUDA graphs those of the sync point before, so that the device works meanwhile):
-it stops when all are done, and when at least ``compact_fraction`` of the batch is done it drops
-those sentences (their results kept), as fairseq drops each finished sentence at once. Finished
-sentences still in the batch run on without effect until then. On a GPU the batch runs on a
+small copy): it stops when all are done, and when at least ``compact_fraction`` of the batch is
+done it drops those sentences (their results kept), as fairseq drops each finished sentence at
+once; with CUDA graphs at the next sync point, so that the device works while the host captures.
+Finished sentences still in the batch run on without effect until then. On a GPU the batch runs on a
 stream of its own (the CUDA graphs' capture stream) and the results are assembled on the caller's.
 
 Two deliberate differences, both where fairseq's own results are not defined by its search:
@@ -121,10 +121,10 @@ class LSSequenceGenerator(nn.Module):
         batch's sentences that must be done before they are dropped at a sync point (default: any
         on the CPU, as fairseq drops them, else a quarter: dropping copies the caches once);
         ``cuda_graphs``: on a GPU, replay the ordinary steps from a CUDA graph (generation.graphs);
-        ``deferred_reads``: act at each sync point on the done flags of the one before (default: where
-        the steps run through CUDA graphs), so that the device is never idle while the host compacts
-        the batch and captures the next graph; the batch then runs on up to ``sync_every`` steps past
-        its end, which with a sentence or two left costs less than an idle device at every capture."""
+        ``deferred_reads``: make a compaction decided at a sync point at the next one, and read that
+        one's flags only once the step after it is launched (default: where the steps run through
+        CUDA graphs), so that the device runs an interval's steps while the host compacts the batch
+        and captures the next step's graph, instead of waiting idle for them."""
         super().__init__()
         if len(models) != 1:
             raise ValueError("LSSequenceGenerator: one model, not an ensemble of {}".format(len(models)))
@@ -150,10 +150,7 @@ class LSSequenceGenerator(nn.Module):
         self.sync_every, self.compact_fraction = sync_every, compact_fraction
         self.deferred_reads = deferred_reads
         self.step_graph = StepGraph() if cuda_graphs else None
-        # a batch's first step, in a graph of its own, where batches of one shape follow each other
-        self.first_step_graph = StepGraph() if cuda_graphs else None
         self.buffers = Buffers()  # a batch's tensors, kept for the next batch of the same shapes
-        self.last_shapes = None
         self.model.eval()
 
     @classmethod
@@ -204,7 +201,7 @@ class LSSequenceGenerator(nn.Module):
         # the whole batch on the graphs' stream (one cuBLAS workspace, not one per stream); the results
         # assembled on the caller's, after that stream's work
         stream = decoding_stream(device)
-        graph.stream = self.first_step_graph.stream = stream
+        graph.stream = stream
         with on_stream(stream):
             s = self._search(sample, prefix_tokens, bos_token, graph, sync_every, compact_fraction)
         return s.results()
@@ -227,7 +224,9 @@ class LSSequenceGenerator(nn.Module):
         s.tokens[:, 0] = self.eos if bos_token is None else bos_token
         parents = take("parents", (B * k,), torch.long, device).zero_()  # each hypothesis's, for the next step
         t = take("t", (), torch.long, device)  # the step, where the step's ops read it
-        reorder, batch, phase = False, next(_BATCHES), 0
+        # step 0 reorders too (by the zeros in parents: no history to move yet), so that it is an
+        # ordinary step like the later ones and shares their graph
+        reorder, batch, phase = k > 1, next(_BATCHES), 0
         # until the batch's first growth or compaction its tensors are the buffers of its shapes (not with
         # a prefix: _force_prefix replaces the histories), and the key of those shapes lets a batch like
         # the last one replay the last one's graph. The key also holds what such a graph reads besides:
@@ -237,19 +236,12 @@ class LSSequenceGenerator(nn.Module):
             weights = hash(tuple(p.data_ptr() for p in self.model.parameters()))
             shapes = ("shapes", B, src_len, max_len, cache.capacity, cache.encoder_padding is None, buffers.made,
                       weights, sinusoid_tables_made())
-        # step 0 (no reorder, EOS barred below --min-len) replayed too where the last batch had these
-        # shapes: then the next batches are likely to (fairseq's batches come in length order), and
-        # a batch of shapes seen once captures no graph it will not replay
-        first = shapes is not None and shapes == self.last_shapes and max_len > 0
-        self.last_shapes = shapes
-        pending = None  # the done flags read at the last sync point, on their way to the host
+        pending = None  # flags read where a compaction was made, consumed once the next step is launched
+        scheduled = None  # the sentences to keep at the next sync point (a compaction decided at this one)
         for step in range(max_len + 1):
             t.fill_(step)
             cache.prepare(step)
-            if first and step == 0:
-                self.first_step_graph.run(shapes, lambda: self._step(
-                    s, cache, parents, t, t + 1, 0, max_len, None, False), cache.capacity)
-            elif graph is not None and reorder == (k > 1) and self._ordinary(step, max_len, prefix_tokens):
+            if graph is not None and self._ordinary(step, max_len, prefix_tokens):
                 key = shapes if shapes and phase == 0 and cache.generation == 0 else (batch, phase, cache.generation)
                 graph.run(key, lambda: self._step(
                     s, cache, parents, t, t + 1, step, max_len, prefix_tokens, reorder),
@@ -258,38 +250,48 @@ class LSSequenceGenerator(nn.Module):
                 self._step(s, cache, parents, t, step + 1, step, max_len, prefix_tokens, reorder)
             if step == max_len:
                 break
-            reorder = k > 1
 
-            if (step + 1) % sync_every == 0:
+            read = None
+            if pending is not None:
+                read, pending = pending, None
+            elif (step + 1) % sync_every == 0:
                 read = _PendingRead(s.done)
-                # deferred: the host acts on the flags of the sync point before (one interval late), so
-                # that the device runs this interval's steps while the host compacts and captures; a
-                # batch of one sentence left (only the stop to decide) reads its own at once
-                if deferred and s.done.numel() > 1:
-                    read, pending = pending, read
+                if scheduled is not None:
+                    # the compaction decided at the last sync point, made while the device runs this
+                    # interval's steps; its flags are read once the next step (a capture) is launched
+                    s, cache, parents, prefix_tokens = self._compact(s, cache, parents, prefix_tokens, scheduled)
+                    read.keep(scheduled)
+                    pending, read, scheduled, phase = read, None, None, phase + 1
+            if read is None:
+                continue
+            done = read.value()
+            if bool(done.all()):
+                break
+            if int(done.sum()) >= max(1, compact_fraction * done.numel()):
+                kept = (~done).nonzero().view(-1)
+                if deferred:
+                    scheduled = kept
                 else:
-                    pending = None
-                if read is None:
-                    continue
-                done = read.value()
-                if bool(done.all()):
-                    break
-                if int(done.sum()) >= max(1, compact_fraction * done.numel()):
-                    kept = (~done).nonzero().view(-1)
-                    if pending is not None:
-                        pending.keep(kept)
-                    keep = to_device(kept, device)
-                    leave = to_device(done.nonzero().view(-1), device)
-                    s = s.keep(keep, leave)
-                    cache.keep_sentences(keep)
-                    # the kept hypotheses' reorder now, and an identity for the next step's: that step
-                    # then works on the buffers of the steps after it (one CUDA graph serves them all)
-                    cache.reorder(parents.view(-1, k)[keep].view(-1))
-                    parents = torch.arange(keep.numel() * k, device=device)
-                    if prefix_tokens is not None:
-                        prefix_tokens = prefix_tokens[keep]
-                    reorder, phase = True, phase + 1
+                    s, cache, parents, prefix_tokens = self._compact(s, cache, parents, prefix_tokens, kept)
+                    phase += 1
         return s
+
+    def _compact(self, s, cache, parents, prefix_tokens, kept):
+        """Only the sentences ``kept`` (host indices) stay in the batch, the others' results saved:
+        (state, cache, parents, prefix_tokens) for the rest of the search."""
+        k, device = s.beam_size, parents.device
+        leave = torch.ones(s.done.numel(), dtype=torch.bool)
+        leave[kept] = False
+        keep = to_device(kept, device)
+        s = s.keep(keep, to_device(leave.nonzero().view(-1), device))
+        cache.keep_sentences(keep)
+        # the kept hypotheses' reorder now, and an identity for the next step's: that step then works
+        # on the buffers of the steps after it (one CUDA graph serves them all)
+        cache.reorder(parents.view(-1, k)[keep].view(-1))
+        parents = torch.arange(keep.numel() * k, device=device)
+        if prefix_tokens is not None:
+            prefix_tokens = prefix_tokens[keep]
+        return s, cache, parents, prefix_tokens
 
     def _max_len(self, sample):
         """The longest output of ``sample``'s batch (fairseq's: max_len_a x source length + max_len_b,
@@ -299,9 +301,9 @@ class LSSequenceGenerator(nn.Module):
 
     def _ordinary(self, step, max_len, prefix_tokens):
         """Whether step ``step`` does what every other ordinary step does, on the device alone: past
-        the minimum length and the prefix, before the maximum length, no n-gram blocking (whose
-        windows the host counts)."""
-        return (self.min_len <= step < max_len and self.no_repeat_ngram_size == 0
+        the prefix, before the maximum length, no n-gram blocking (whose windows the host counts).
+        The minimum length is the device's test of the step tensor."""
+        return (step < max_len and self.no_repeat_ngram_size == 0
                 and (prefix_tokens is None or step >= prefix_tokens.shape[1]))
 
     def _step(self, s, cache, parents, t, length, step, max_len, prefix_tokens, reorder):
@@ -315,7 +317,7 @@ class LSSequenceGenerator(nn.Module):
             cache.reorder(parents)
         cache.begin_step(t, length)
         logits = self.model.decoder.decode_step(s.tokens.gather(1, t.expand(s.tokens.shape[0], 1)), cache)
-        lprobs = self._log_probs(logits, step, max_len, s, prefix_tokens)
+        lprobs = self._log_probs(logits, t, step, max_len, s, prefix_tokens)
 
         # 2 x beam candidates per sentence; at step 0 only the first beam's (the others start at -inf)
         values, index = beam_select((lprobs + s.cum[:, None]).view(-1, k * V), 2 * k)
@@ -324,10 +326,10 @@ class LSSequenceGenerator(nn.Module):
         beam_advance(values, index, t, s, parents, self.eos, self.pad, V, self.len_penalty, self.normalize_scores,
                      advance=step != max_len)
 
-    def _log_probs(self, logits, step, max_len, s, prefix_tokens):
+    def _log_probs(self, logits, t, step, max_len, s, prefix_tokens):
         """fairseq's per-step log-probabilities: temperature, log-softmax in fp32, NaN -> -inf, no pad,
-        the unk penalty, only EOS at the maximum length, then the prefix or the minimum length, then
-        n-gram blocking."""
+        the unk penalty, only EOS at the maximum length, then the prefix or the minimum length (EOS
+        barred while the step tensor ``t`` is below it, a test on the device), then n-gram blocking."""
         if self.temperature != 1.0:
             logits = logits.div_(self.temperature)
         lprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)
@@ -340,8 +342,8 @@ class LSSequenceGenerator(nn.Module):
             lprobs[:, self.eos + 1 :] = -math.inf
         if prefix_tokens is not None and step < prefix_tokens.shape[1] and step < max_len:
             lprobs = self._force_prefix(lprobs, step, s, prefix_tokens)
-        elif step < self.min_len:
-            lprobs[:, self.eos] = -math.inf
+        elif self.min_len > 0:
+            lprobs[:, self.eos].masked_fill_(t < self.min_len, -math.inf)
         if self.no_repeat_ngram_size > 0:
             self._block_ngrams(lprobs, s.tokens, step)
         return lprobs
