@@ -56,12 +56,12 @@ def test_rejects_bad_input():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("N,H,D,length", [(1, 1, 64, 1), (7, 3, 32, 13), (6, 4, 64, 32), (3, 4, 32, 33),
-                                          (13, 16, 64, 201), (5, 5, 128, 1031), (3, 2, 256, 67), (2, 3, 64, 2500)])
+@pytest.mark.parametrize("N,H,D,length", [(1, 1, 64, 1), (7, 3, 32, 13), (13, 16, 64, 201), (5, 5, 128, 1031),
+                                          (3, 2, 256, 67), (2, 3, 64, 2500)])
 def test_kernel_against_fp64(dtype, N, H, D, length):
     """The kernel against the fp64 formulation, by the error rule (fp32 at most 1e-5; fp16/bf16 at most
     twice PyTorch's error in the same precision, its attention over the same gathered keys); lengths
-    past one chunk of 32 positions (a lane each) take the online softmax's rescaling."""
+    past one chunk of 1,024 positions take the online softmax's rescaling."""
     layers, layer = 3, 1
     q, cache, origin = inputs(N, H, D, layers, length, length + 3, dtype, "cuda")
     kernel("decode_attention", q)
