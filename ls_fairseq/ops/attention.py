@@ -146,7 +146,7 @@ def attention_reference(q, k, v, mask=None, p=0.0, training=True, dropout_mask=N
         attn_mask, is_causal = (mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask is not None
                                 else (None, False))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=1.0)
-    scores = ScoresFunction.apply(q, k)
+    scores = dispatch.run(ScoresFunction, q, k)
     kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
     probs = softmax(scores, kpm, causal, p, training, dropout_mask)
     return torch.matmul(probs, v)
@@ -238,9 +238,9 @@ def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exa
         return attention_reference(q, k, v, mask, p, training)
     kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
     if _fused_kernel_fits(q, k, v):
-        return AttentionFunction.apply(q, k, v, kpm, causal, p, picked)
+        return dispatch.run(AttentionFunction, q, k, v, kpm, causal, p, picked)
     if exact_row_term or (deterministic and training):
-        return RecomputedAttentionFunction.apply(q, k, v, kpm, causal, p)
+        return dispatch.run(RecomputedAttentionFunction, q, k, v, kpm, causal, p)
     attn_mask, is_causal = mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask else (None, False)
     with _backends():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal, scale=1.0)

@@ -99,4 +99,4 @@ def bias_act_dropout(x, bias, activation="relu", p=0.0, training=True, mask=None
             "bias_act_dropout: bias {} must equal x's last dimension {}".format(tuple(bias.shape), x.shape[-1])
         )
     p = p if training else 0.0
-    return BiasActDropoutFunction.apply(x, bias, activation, p, mask if p > 0 else None)
+    return dispatch.run(BiasActDropoutFunction, x, bias, activation, p, mask if p > 0 else None)

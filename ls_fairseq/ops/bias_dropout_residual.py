@@ -67,4 +67,4 @@ def bias_dropout_residual(x, bias, residual, p=0.0, training=True, mask=None, re
             )
         )
     p = p if training else 0.0
-    return BiasDropoutResidualFunction.apply(x, bias, residual, p, mask if p > 0 else None, residual_grad)
+    return dispatch.run(BiasDropoutResidualFunction, x, bias, residual, p, mask if p > 0 else None, residual_grad)

@@ -79,5 +79,5 @@ def bias_dropout_residual_layer_norm(h, bias, residual, weight, ln_bias, p=0.0, 
                                                    tuple(weight.shape), tuple(ln_bias.shape))
         )
     p = p if training else 0.0
-    return BiasDropoutResidualLayerNormFunction.apply(h, bias, residual, weight, ln_bias, eps, p,
+    return dispatch.run(BiasDropoutResidualLayerNormFunction, h, bias, residual, weight, ln_bias, eps, p,
                                                       mask if p > 0 else None, residual_grad)

@@ -102,7 +102,7 @@ def label_smoothed_cross_entropy(logits, target, epsilon, padding_idx, overwrite
                 tuple(logits.shape), tuple(target.shape)
             )
         )
-    loss, nll = CrossEntropyFunction.apply(
+    loss, nll = dispatch.run(CrossEntropyFunction,
         logits.reshape(-1, V), target.reshape(-1), float(epsilon), padding_idx, bool(overwrite_logits)
     )
     return loss.view(target.shape), nll.view(target.shape)

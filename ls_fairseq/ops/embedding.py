@@ -158,7 +158,7 @@ def embedding(tokens, positions, weight, pos_weight, scale, padding_idx, p=0.0, 
         raise ValueError("embedding: token id {} is outside the table of {} rows (the dictionary's size)".format(
             int(bad[0]), weight.shape[0]))
     p = p if training else 0.0
-    return EmbeddingFunction.apply(
+    return dispatch.run(EmbeddingFunction,
         tokens.contiguous(), positions.contiguous(), weight, pos_weight, scale, padding_idx, p, mask if p > 0 else None,
         max_position,
     )

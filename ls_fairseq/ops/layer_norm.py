@@ -81,4 +81,4 @@ def layer_norm(x, weight, bias, eps=1e-5, residual_grad=None):
                 x.shape[-1], tuple(weight.shape), tuple(bias.shape)
             )
         )
-    return LayerNormFunction.apply(x, weight, bias, eps, residual_grad)
+    return dispatch.run(LayerNormFunction, x, weight, bias, eps, residual_grad)

@@ -81,7 +81,7 @@ def split_heads(x, bias, num_heads, num_parts, first_scale=1.0, token_major=Fals
                 tuple(x.shape), num_parts, num_heads, tuple(bias.shape)
             )
         )
-    return QKVFunction.apply(x, bias, num_heads, num_parts, first_scale, token_major)
+    return dispatch.run(QKVFunction, x, bias, num_heads, num_parts, first_scale, token_major)
 
 
 def merge_heads(x):

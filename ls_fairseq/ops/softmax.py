@@ -95,4 +95,4 @@ def softmax(scores, key_padding_mask=None, causal=False, p=0.0, training=True, m
             )
         )
     p = p if training else 0.0
-    return SoftmaxFunction.apply(scores, key_padding_mask, causal, p, mask if p > 0 else None)
+    return dispatch.run(SoftmaxFunction, scores, key_padding_mask, causal, p, mask if p > 0 else None)
