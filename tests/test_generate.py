@@ -180,12 +180,14 @@ def test_prefix_equals_fairseqs_sequence_generator(loaded):
     assert any(targets[i][:prefix_size].eq(task.target_dictionary.eos()).any() for i in out)
 
 
-@pytest.mark.parametrize("sync_every,compact_fraction,capacity", [(1, 0.0, 1), (3, 0.5, 2), (1000, 0.25, 64)])
+@pytest.mark.parametrize("sync_every,compact_fraction,capacity,deferred", [
+    (1, 0.0, 1, False), (3, 0.5, 2, False), (1000, 0.25, 64, False), (1, 0.0, 1, True), (2, 0.25, 64, True)])
 def test_sync_points_compaction_and_cache_growth_leave_the_result(few, monkeypatch, sync_every, compact_fraction,
-                                                                   capacity):
-    """The host's reads of the done flags, dropping finished sentences from the batch and the
-    self-attention cache's growth change nothing; the host reads a value only at the sync points
-    and once for the results."""
+                                                                   capacity, deferred):
+    """The host's reads of the done flags, dropping finished sentences from the batch (at once, or
+    at the next sync point as on a GPU with CUDA graphs, the flags read there followed through the
+    compaction) and the self-attention cache's growth change nothing; the host reads a value only
+    at the sync points and once for the results."""
     model, task, batches = few
     monkeypatch.setattr(sequence_generator, "INITIAL_CAPACITY", capacity)
     reads = []
@@ -196,33 +198,13 @@ def test_sync_points_compaction_and_cache_growth_leave_the_result(few, monkeypat
     options = dict(beam_size=4, len_penalty=0.6, **CAPPED)
     ref = translate(stock_generator(model, task, **options), model, batches)
     gen = LSSequenceGenerator([model], task.target_dictionary, sync_every=sync_every, compact_fraction=compact_fraction,
-                              **options)
+                              deferred_reads=deferred, **options)
     assert_same_nbest(ref, translate(gen, model, batches))
     assert len(batches) <= len(reads) <= len(steps) // sync_every + 2 * len(batches)
     if sync_every == 1000:  # no sync point before the maximum length: the results' read alone, the batch never shrinks
         assert len(reads) == len(batches) and len(set(steps)) <= len(batches)
     else:  # finished sentences left the batch
         assert len(set(steps)) > len(batches)
-
-
-@pytest.mark.parametrize("sync_every,compact_fraction", [(1, 0.0), (2, 0.25)])
-def test_deferred_reads_leave_the_result(few, monkeypatch, sync_every, compact_fraction):
-    """Acting at each sync point on the flags of the one before (as on a GPU with CUDA graphs), their
-    rows followed through compactions: the same n-best lists, finished sentences still leave the
-    batch, and every read is of a sync point's flags or the results."""
-    model, task, batches = few
-    reads = []
-    monkeypatch.setattr(sequence_generator, "host_read", lambda t: reads.append(t.numel()) or t.cpu())
-    steps = []
-    decode_step = model.decoder.decode_step
-    monkeypatch.setattr(model.decoder, "decode_step", lambda *a: steps.append(a[0].shape[0]) or decode_step(*a))
-    options = dict(beam_size=4, len_penalty=0.6, **CAPPED)
-    ref = translate(stock_generator(model, task, **options), model, batches)
-    gen = LSSequenceGenerator([model], task.target_dictionary, sync_every=sync_every, compact_fraction=compact_fraction,
-                              deferred_reads=True, **options)
-    assert_same_nbest(ref, translate(gen, model, batches))
-    assert len(set(steps)) > len(batches)
-    assert len(batches) <= len(reads) <= len(steps) // sync_every + 2 * len(batches)
 
 
 @pytest.mark.parametrize("buffered", [False, True])
