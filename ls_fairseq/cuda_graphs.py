@@ -58,9 +58,11 @@ def _shape_key(sample):
 def on_stream(stream):
     """Run on ``stream``, ordered after the current stream's work and before its later work."""
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        yield
-    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:  # also after an error: the caller's later work (freeing what the stream reads) waits
+        torch.cuda.current_stream().wait_stream(stream)
 
 
 class _Graph:

@@ -22,6 +22,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+MEMORY_EVENTS = 1_000_000  # --memory's history: the allocator's last events kept
 
 
 def main(argv=None):
@@ -41,7 +42,7 @@ def main(argv=None):
                         help="the whole-run breakdown over the test set's first N sentences (see above)")
     parser.add_argument("--memory", action="store_true",
                         help="with --sentences, on a GPU: what the memory held at the translation's peak, by "
-                             "the place (file:line) that allocated it, cuBLAS's workspaces by stream")
+                             "the place (file:line) that allocated it (a pass of its own before the timed ones)")
     args = parser.parse_args(argv)
     if args.sentences:
         return breakdown(args)
@@ -144,14 +145,16 @@ def breakdown(args):
         sync()
         return time.perf_counter() - start
 
-    if args.memory and device == "cuda":
-        torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
+    memory = args.memory and device == "cuda"
+    if memory:  # from the first batch on, the one-time set-up included; a pass of its own (recording is slow)
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=MEMORY_EVENTS)
     for sample in samples[:2]:  # untimed, as bench_generate: one-time set-up
         task.inference_step(generator, [model], move(sample, device))
-    plain = run_all()
-    if args.memory and device == "cuda":
+    if memory:
+        run_all()
         print_memory_peak(torch.cuda.memory._snapshot(), args.top)
         torch.cuda.memory._record_memory_history(enabled=None)
+    plain = run_all()
 
     parts, counts, inside = {}, {}, [False]
 
@@ -225,11 +228,16 @@ def breakdown(args):
 def print_memory_peak(snapshot, top):
     """The allocations live at the peak of a recorded memory history (blocks made before the recording
     began are not in it: the weights), grouped by the innermost frame of the repository or fairseq
-    that made them (a cuBLAS workspace is named by its stream), largest first."""
+    that made them, largest first. A cuBLAS workspace is charged to the GEMM that first needed it on
+    its stream (the line of an ops/linear*.py call)."""
     import torch
 
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    if len(trace) >= MEMORY_EVENTS:
+        print("profile_generate: the memory history kept only its last {} events: the peak below misses "
+              "what was allocated before them (fewer --sentences)".format(MEMORY_EVENTS))
     live, total, peak, at_peak = {}, 0, 0, {}
-    for event in snapshot["device_traces"][torch.cuda.current_device()]:
+    for event in trace:
         if event["action"] == "alloc":
             live[event["addr"]] = event
             total += event["size"]

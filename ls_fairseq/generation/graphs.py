@@ -23,22 +23,28 @@ one capture serves them all.
   size 1, every sentence of the same source length as the last) takes the same tensors, so that
   until its first growth or compaction its steps have the key of that batch's and replay its graph.
 """
+import threading
+
 import torch
 
 from ls_fairseq.cuda_graphs import on_stream
 
 
-_STREAMS = {}
+_STREAMS = {}  # (device index, thread) -> stream
+_STREAMS_LOCK = threading.Lock()
 
 
 def decoding_stream(device):
-    """The stream that the generators on ``device`` run their batches on, one per device: every
-    stream that runs a cuBLAS GEMM gets its own workspace (33 MiB on an H200), which lives as long
-    as the process, so the encoder, the eager steps and the captures all use this one."""
+    """The stream that the generators of this thread run their batches on ``device``: every stream
+    that runs a cuBLAS GEMM gets its own workspace (33 MiB on an H200), which lives as long as the
+    process, so the encoder, the eager steps and the captures all use this one. One per thread, so
+    that no thread's work lands on a stream another thread is capturing."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _STREAMS:
-        _STREAMS[index] = torch.cuda.Stream(device=index)
-    return _STREAMS[index]
+    key = (index, threading.get_ident())
+    with _STREAMS_LOCK:
+        if key not in _STREAMS:
+            _STREAMS[key] = torch.cuda.Stream(device=index)
+        return _STREAMS[key]
 
 
 class StepGraph:

@@ -74,7 +74,7 @@ class _PendingRead:
         self.copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         self.copy.copy_(tensor, non_blocking=True)
         self.event = torch.cuda.Event()
-        self.event.record()
+        self.event.record(torch.cuda.current_stream(tensor.device))  # the stream the copy is queued on
 
     def keep(self, kept):
         """Only the sentences ``kept`` (host indices into the current ones) stay in the batch."""
