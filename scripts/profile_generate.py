@@ -13,7 +13,10 @@ times them (its batches, from the input copy to the hypotheses) and splits the t
 input copies, the encoder, the caches' set-up, the eager decoding steps, the captures, the
 replays, the hypotheses' assembly and the rest (the host's reads of the done flags, the
 compactions, fairseq's inference_step): the device is synchronised around each part, so the parts
-add up to the instrumented total, printed beside the plain one. It runs on the CPU too.
+add up to the instrumented total, printed beside the plain one. It runs on the CPU too. With --idle
+(on a GPU) a pass of its own, not synchronised, runs under torch.profiler first and says where the GPU
+waited: the time between its kernels, each gap charged to what the host was doing then (a capture, a
+compaction, the encoder, a read of the flags...).
 """
 import argparse
 import os
@@ -40,6 +43,8 @@ def main(argv=None):
                         "they leave the batch (default: the generator's)")
     parser.add_argument("--sentences", type=int, default=None,
                         help="the whole-run breakdown over the test set's first N sentences (see above)")
+    parser.add_argument("--idle", action="store_true",
+                        help="with --sentences, on a GPU: where the GPU waits for the host (see above)")
     parser.add_argument("--memory", action="store_true",
                         help="with --sentences, on a GPU: what the memory held at the translation's peak, by "
                              "the place (file:line) that allocated it (a pass of its own before the timed ones)")
@@ -155,6 +160,8 @@ def breakdown(args):
         print_memory_peak(torch.cuda.memory._snapshot(), args.top)
         torch.cuda.memory._record_memory_history(enabled=None)
     plain = run_all()
+    if args.idle and device == "cuda":
+        print_idle(run_all, args.top, task, model)
 
     parts, counts, inside = {}, {}, [False]
 
@@ -223,6 +230,91 @@ def breakdown(args):
     print("| --- | --- | --- | --- |")
     for name, seconds in sorted(parts.items(), key=lambda item: -item[1]):
         print("| {} | {:.1f} | {:.1%} | {} |".format(name, 1e3 * seconds, seconds / total, counts.get(name, "-")))
+
+
+SHORT_GAP_US = 20  # shorter gaps are counted together, not charged to a part
+IDLE_PARTS = ("capture", "eager step", "replay", "compaction", "read of the done flags", "caches' set-up",
+              "hypotheses' assembly", "encoder", "batch")  # the innermost first where parts nest
+
+
+def print_idle(run_all, top, task, model):
+    """Runs ``run_all`` under torch.profiler with each of IDLE_PARTS in a labelled range and prints the
+    GPU's busy time (the union of its kernels and copies) against the wall time, and each gap between
+    them charged to the innermost part the host was in at the gap's middle (those under SHORT_GAP_US
+    together)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from ls_fairseq.generation import sequence_generator
+    from ls_fairseq.generation.cache import DecoderCache
+    from ls_fairseq.generation.graphs import StepGraph
+
+    saved = []
+
+    def label(cls, name, text):
+        inner = getattr(cls, name)
+
+        def wrapper(*a, **kw):
+            with record_function("ls:" + text):
+                return inner(*a, **kw)
+        saved.append((cls, name, cls.__dict__.get(name)))  # None: inherited
+        setattr(cls, name, wrapper)
+
+    label(sequence_generator.LSSequenceGenerator, "_compact", "compaction")
+    label(sequence_generator._PendingRead, "value", "read of the done flags")
+    label(DecoderCache, "__init__", "caches' set-up")
+    label(sequence_generator._State, "results", "hypotheses' assembly")
+    label(type(model.encoder), "forward_torchscript", "encoder")
+    label(type(task), "inference_step", "batch")
+    graph_run = StepGraph.run
+
+    def classified_run(self, key, step, extent):
+        fresh = key != self.key
+        kind = "eager step" if fresh and extent > self.warmed else "capture" if fresh or self.graph is None else "replay"
+        with record_function("ls:" + kind):
+            return graph_run(self, key, step, extent)
+    saved.append((StepGraph, "run", StepGraph.__dict__["run"]))
+    StepGraph.run = classified_run
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall = run_all()
+    finally:
+        for cls, name, fn in reversed(saved):
+            if fn is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, fn)
+    events = prof.events()
+    device = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    ranges = [(e.time_range.start, e.time_range.end, e.name[3:]) for e in events
+              if e.device_type == DeviceType.CPU and e.name.startswith("ls:")]
+    batches = [r for r in ranges if r[2] == "batch"]
+    if not device or not batches:
+        print("profile_generate: the profiler recorded no kernels")
+        return
+    order = {text: i for i, text in enumerate(IDLE_PARTS)}
+    begin, end = min(r[0] for r in batches), max(r[1] for r in batches)
+    busy, idle, gaps, last = 0.0, {}, {}, begin
+    for start, stop in device + [(end, end)]:
+        start, stop = max(start, begin), min(stop, end)
+        if start > last:
+            middle = (last + start) / 2
+            inside = [r[2] for r in ranges if r[0] <= middle <= r[1]] if start - last >= SHORT_GAP_US else None
+            part = "gaps under {} us (between a graph's kernels)".format(SHORT_GAP_US) if inside is None else \
+                min(inside, key=order.get) if inside else "between batches"
+            idle[part] = idle.get(part, 0.0) + start - last
+            gaps[part] = gaps.get(part, 0) + 1
+        if stop > last:
+            busy += stop - max(start, last)
+            last = stop
+    span = end - begin
+    print("profile_generate: under torch.profiler {:.1f} ms wall, batches {:.1f} ms, GPU busy {:.1f} ms ({:.1%}), "
+          "idle {:.1f} ms".format(1e3 * wall, span / 1e3, busy / 1e3, busy / span, (span - busy) / 1e3))
+    print("| the GPU waits during | ms | share of the batches' time | gaps |")
+    print("| --- | --- | --- | --- |")
+    for part, us in sorted(idle.items(), key=lambda item: -item[1])[:top]:
+        print("| {} | {:.1f} | {:.1%} | {} |".format(part, us / 1e3, us / span, gaps[part]))
 
 
 def print_memory_peak(snapshot, top):
