@@ -56,12 +56,12 @@ def test_rejects_bad_input():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("N,H,D,length", [(1, 1, 64, 1), (7, 3, 32, 13), (13, 16, 64, 201), (5, 5, 128, 1031),
-                                          (3, 2, 256, 67), (2, 3, 64, 2500)])
+@pytest.mark.parametrize("N,H,D,length", [(1, 1, 64, 1), (7, 3, 32, 13), (6, 4, 64, 32), (3, 4, 32, 33),
+                                          (13, 16, 64, 201), (5, 5, 128, 1031), (3, 2, 256, 67), (2, 3, 64, 2500)])
 def test_kernel_against_fp64(dtype, N, H, D, length):
     """The kernel against the fp64 formulation, by the error rule (fp32 at most 1e-5; fp16/bf16 at most
     twice PyTorch's error in the same precision, its attention over the same gathered keys); lengths
-    past one chunk of 1,024 positions take the online softmax's rescaling."""
+    past one chunk of 32 positions (a lane each) take the online softmax's rescaling."""
     layers, layer = 3, 1
     q, cache, origin = inputs(N, H, D, layers, length, length + 3, dtype, "cuda")
     kernel("decode_attention", q)
@@ -108,3 +108,19 @@ def test_kernel_clamps_a_device_length_past_the_capacity():
         out = decode_attention(q, cache[:70], 1, origin, torch.tensor(length, device="cuda"))
         assert torch.equal(out, decode_attention(q, cache[:70], 1, origin, 70)), length
         assert not out.isnan().any(), length
+
+
+@pytest.mark.gpu
+def test_kernel_weighs_scores_of_minus_infinity_zero_across_chunks():
+    """Keys whose score is -inf (an inf in a key) over a whole first chunk of positions, and one inside
+    a later chunk: those positions get weight 0 and the rest attend as softmax does (finite outputs,
+    the fp64 formulation's values)."""
+    q, cache, origin = inputs(3, 2, 64, 1, 80, 80, torch.float32, "cuda", slots=3)
+    q = q.abs() + 0.1  # every score with an inf key dimension is +inf x positive: -inf for a -inf key
+    keys = cache[:, 0]
+    keys[:40, :, :, 5] = -float("inf")  # positions 0..39: the first chunk of 32 and part of the next
+    keys[61, :, :, 9] = -float("inf")
+    out = decode_attention(q, cache, 0, origin, 80)
+    ref = independent(q, cache, 0, origin, 80)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-5, atol=1e-5)
