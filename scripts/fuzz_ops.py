@@ -646,7 +646,8 @@ def case_beam_advance(c):
 
 def case_decode_attention(c):
     """decode_attention over a cache read through a random origin table (positions from random slots,
-    more rows and slots than hypotheses), q as split_heads leaves it; lengths past one 1,024 chunk."""
+    more rows and slots than hypotheses), q as split_heads leaves it; lengths past one 1,024 chunk; half
+    the cases also give the step's k and v, which the kernel writes into the cache and attends to."""
     dtype = c.dtype()
     D = c.pick("D", (32, 64, 128, 256))
     H = c.dim(16, (4, 8, 16))
@@ -656,11 +657,20 @@ def case_decode_attention(c):
     N = c.rows_for(2 * T * H * D, 512)
     slots = N + c.dim(8)
     c.params.update(N=N, H=H, T=T, layers=layers, layer=layer, slots=slots)
-    q = c.tensor((3, N, 1, H, D), dtype, D**-0.5)[0].transpose(1, 2)
+    qkv = c.tensor((3, N, 1, H, D), dtype)
+    q = (qkv[0] * D**-0.5).transpose(1, 2)
     cache = c.tensor((T + 2, 2 * layers, slots, H, D), dtype)
     origin = torch.randint(0, slots, (N + c.dim(3) - 1, T + c.dim(4) - 1), dtype=torch.int32, device=c.device)
+    step = c.pick("step_kv", (False, True))
+    if step:  # the generator's step: position T - 1 of hypothesis n in slot n, written by the call
+        origin[:N, T - 1] = torch.arange(N, dtype=torch.int32, device=c.device)
+        k, v = qkv[1].transpose(1, 2), qkv[2].transpose(1, 2)
+        written = cache.clone()
+        written[T - 1, 2 * layer, :N], written[T - 1, 2 * layer + 1, :N] = k[:, :, 0], v[:, :, 0]
     fill_free_memory(c)
-    out = decode_attention(q, cache, layer, origin, T)
+    out = decode_attention(q, cache, layer, origin, T, *((k, v) if step else ()))
+    if step:
+        c.equal("cache", cache, written)
     ref64 = decode_attention_reference(q.double(), cache.double(), layer, origin, T)
     keys, values = gather_history(cache, layer, origin[:N], T)
     low = torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=1.0) if c.device != "cpu" else \

@@ -38,6 +38,26 @@ def test_reference_equals_an_independent_formulation(N, H, D, layers, layer, len
     torch.testing.assert_close(out, independent(q, cache, layer, origin, length), rtol=1e-10, atol=1e-10)
 
 
+def step_keys_values(q):
+    """Random k and v laid out as q (views of one [3, N, 1, H, D] buffer, as split_heads leaves them)."""
+    N, H, _, D = q.shape
+    qkv = torch.randn(3, N, 1, H, D, dtype=q.dtype, device=q.device)
+    return qkv[1].permute(0, 2, 1, 3), qkv[2].permute(0, 2, 1, 3)
+
+
+def test_reference_writes_the_steps_keys_and_values():
+    """Given the step's k and v, the cache holds them at position length - 1 of slots 0..N-1 (nothing else
+    changes), and the output is the attention over the cache so written."""
+    q, cache, origin = inputs(4, 2, 16, 2, 9, 12, torch.float64, slots=6)
+    origin[:, 8] = torch.arange(4, dtype=torch.int32)
+    k, v = step_keys_values(q)
+    written = cache.clone()
+    written[8, 2, :4], written[8, 3, :4] = k[:, :, 0], v[:, :, 0]
+    out = decode_attention(q, cache, 1, origin, torch.tensor(9), k, v)
+    assert torch.equal(cache, written)
+    torch.testing.assert_close(out, independent(q, written, 1, origin, 9), rtol=1e-10, atol=1e-10)
+
+
 def test_rejects_bad_input():
     q, cache, origin = inputs(3, 2, 8, 2, 4, 6)
     with pytest.raises(ValueError, match="q"):
@@ -52,6 +72,11 @@ def test_rejects_bad_input():
         decode_attention(q, cache, 0, origin.long(), 4)
     with pytest.raises(ValueError, match="origin"):
         decode_attention(q, cache, 0, origin[:2], 4)
+    k, v = step_keys_values(q)
+    with pytest.raises(ValueError, match="come together"):
+        decode_attention(q, cache, 0, origin, 4, k)
+    with pytest.raises(ValueError, match="k .* and v"):
+        decode_attention(q, cache, 0, origin, 4, k[:2], v[:2])
 
 
 @pytest.mark.gpu
@@ -124,3 +149,23 @@ def test_kernel_weighs_scores_of_minus_infinity_zero_across_chunks():
     ref = independent(q, cache, 0, origin, 80)
     assert out.isfinite().all()
     torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("N,H,D,length", [(1, 1, 64, 1), (7, 3, 32, 33), (13, 16, 64, 201), (3, 2, 256, 67)])
+def test_kernel_writes_and_attends_to_the_steps_keys_and_values(dtype, N, H, D, length):
+    """The generator's call: the step's k and v given, the length on the device. The kernel writes them
+    into the cache exactly where the reference does (and nothing else), and its output equals its own
+    over the cache written beforehand, bit for bit (that path is checked against fp64 above)."""
+    q, cache, origin = inputs(N, H, D, 3, length, length + 3, dtype, "cuda")
+    origin[:, length - 1] = torch.arange(N, dtype=torch.int32, device="cuda")
+    k, v = step_keys_values(q)
+    written = cache.clone()
+    decode_attention_reference(q, written, 1, origin, length, k, v)
+    kernel("decode_attention", q)
+    assert DECODE_ATTENTION_ROUTE.pick(q) is not decode_attention_reference
+    poison()
+    out = decode_attention(q, cache, 1, origin, torch.tensor(length, device="cuda"), k, v)
+    assert torch.equal(cache, written)
+    assert torch.equal(out, decode_attention(q, written, 1, origin, length))

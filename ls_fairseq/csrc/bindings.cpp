@@ -756,9 +756,12 @@ void beam_advance(const Tensor& values, const Tensor& indices, const Tensor& ste
 // ---- decode_attention ----
 // q [N, heads, 1, d_head] (rows of heads x d_head contiguous), cache [capacity, 2 x layers, slots, heads,
 // d_head] contiguous, origin int32 [>= N, >= length] with unit stride along positions -> [N, heads, 1, d_head];
-// length_on_device: a one-element int64 tensor holding the length (clamped to `length`), read by the kernel
+// length_on_device: a one-element int64 tensor holding the length (clamped to `length`), read by the kernel;
+// k, v (both or neither): the step's keys and values, laid out as q, written into the cache at position
+// length - 1 of slots 0..N-1 (and attended to)
 Tensor decode_attention(const Tensor& q, const Tensor& cache, int64_t layer, const Tensor& origin, int64_t length,
-                        const std::optional<Tensor>& length_on_device) {
+                        const std::optional<Tensor>& length_on_device, const std::optional<Tensor>& k,
+                        const std::optional<Tensor>& v) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor, got one on ", q.device());
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "decode_attention: q must be [hypotheses, heads, 1, d_head], got ",
               q.sizes());
@@ -787,6 +790,18 @@ Tensor decode_attention(const Tensor& q, const Tensor& cache, int64_t layer, con
                 "decode_attention: length must be one int64, got ", length_on_device->scalar_type(), " ",
                 length_on_device->sizes());
   }
+  TORCH_CHECK(k.has_value() == v.has_value(), "decode_attention: the step's k and v come together");
+  if (k) {
+    for (const Tensor* t : {&*k, &*v}) {
+      TORCH_CHECK(t->is_cuda() && t->device() == q.device() && t->scalar_type() == q.scalar_type(),
+                  "decode_attention: k and v must be ", q.scalar_type(), " on ", q.device());
+      TORCH_CHECK(t->sizes() == q.sizes() && t->stride(3) == 1 && t->stride(1) == D && t->stride(0) == k->stride(0),
+                  "decode_attention: k and v must be laid out as q ", q.sizes(), " with one row stride, got ",
+                  t->sizes(), " strides ", t->strides());
+    }
+    TORCH_CHECK(N <= cache.size(2), "decode_attention: ", N, " hypotheses' keys written into ", cache.size(2),
+                " slots");
+  }
   const c10::cuda::CUDAGuard guard(q.device());
   auto out = torch::empty({N, H, 1, D}, q.options());
   const char* base = static_cast<const char*>(cache.data_ptr());
@@ -794,7 +809,9 @@ Tensor decode_attention(const Tensor& q, const Tensor& cache, int64_t layer, con
   ls::decode_attention(dtype_of(q, "q"), q.data_ptr(), q.stride(0), base + 2 * layer * layer_bytes,
                        base + (2 * layer + 1) * layer_bytes, cache.stride(0), cache.stride(2),
                        origin.data_ptr<int>(), origin.stride(0), N, int(H), int(D), int(length),
-                       length_on_device ? length_on_device->data_ptr<int64_t>() : nullptr, out.data_ptr(), stream());
+                       length_on_device ? length_on_device->data_ptr<int64_t>() : nullptr,
+                       k ? k->data_ptr() : nullptr, v ? v->data_ptr() : nullptr, k ? k->stride(0) : 0, out.data_ptr(),
+                       stream());
   CHECK_CUDA_OK();
   return out;
 }

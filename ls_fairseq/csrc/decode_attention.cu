@@ -9,6 +9,9 @@
 // online softmax (running maximum and sum, rescaled per chunk) in shuffles, so the length has no cap
 // and no block-wide barrier is needed. The length may be read from device memory, so that a CUDA
 // graph of the step replays at every step; the kernel clamps it to the capacity the host passes.
+// Given the step's own keys and values (the QKV transform's output), it also writes them into the
+// cache at the last position, slot n, and attends to them from where they are: the cache write
+// costs no launch of its own.
 #include <cstdint>
 #include <type_traits>
 
@@ -32,7 +35,8 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
                             const T* __restrict__ values, int64_t position_stride, int64_t slot_stride,
                             const int* __restrict__ origin, int64_t origin_stride, int length,
                             const int64_t* __restrict__ length_on_device, int64_t pairs, int heads,
-                            T* __restrict__ out) {
+                            const T* __restrict__ new_keys, const T* __restrict__ new_values, int64_t new_stride,
+                            T* __restrict__ key_cache, T* __restrict__ value_cache, T* __restrict__ out) {
   // A device length is bounded by the host's (the cache's capacity): a wrong value reads fewer
   // positions, never memory past the cache or the origin table.
   if (length_on_device != nullptr) length = int(min(max(*length_on_device, int64_t(0)), int64_t(length)));
@@ -48,6 +52,17 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   const int64_t head = (item % heads) * D;
   float* qw = qs[warp];
   for (int d = lane; d < D; d += 32) qw[d] = to_f(q[n * q_stride + head + d]);
+  // the step's key and value of (n, head), stored at the last position of slot n for later steps; this
+  // step reads them from new_keys / new_values (the cache's copy is not read back in this kernel)
+  const int last = new_keys != nullptr ? length - 1 : -1;
+  const T* fresh_key = last >= 0 ? new_keys + n * new_stride + head : nullptr;
+  const T* fresh_value = last >= 0 ? new_values + n * new_stride + head : nullptr;
+  if (last >= 0) {
+    for (int d = lane; d < D; d += 32) {
+      key_cache[last * position_stride + n * slot_stride + head + d] = fresh_key[d];
+      value_cache[last * position_stride + n * slot_stride + head + d] = fresh_value[d];
+    }
+  }
   __syncwarp();
   const int* slots = origin + n * origin_stride;
   float running_max = -INFINITY, running_sum = 0.f, acc[E];
@@ -59,7 +74,7 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     const int slot = live ? slots[start + lane] : 0;
     float s = -INFINITY;
     if (live) {
-      const T* k = keys + (start + lane) * position_stride + slot * slot_stride + head;
+      const T* k = start + lane == last ? fresh_key : keys + (start + lane) * position_stride + slot * slot_stride + head;
       s = 0.f;
 #pragma unroll kUnroll
       for (int d0 = 0; d0 < D; d0 += V) {
@@ -83,7 +98,8 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     for (int j = 0; j < count; ++j) {
       const float wj = __shfl_sync(kFull, w, j);
       const int sj = __shfl_sync(kFull, slot, j);
-      const T* v = values + (start + j) * position_stride + sj * slot_stride + head + lane * E;
+      const T* v = (start + j == last ? fresh_value : values + (start + j) * position_stride + sj * slot_stride + head) +
+                   lane * E;
 #pragma unroll
       for (int e0 = 0; e0 < E; e0 += VE) {
         float vv[VE];
@@ -101,11 +117,13 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
 template <typename T, int D>
 void launch(const void* q, int64_t q_stride, const void* keys, const void* values, int64_t position_stride,
             int64_t slot_stride, const int* origin, int64_t origin_stride, int64_t hypotheses, int heads, int length,
-            const int64_t* length_on_device, void* out, cudaStream_t stream) {
+            const int64_t* length_on_device, const void* new_keys, const void* new_values, int64_t new_stride,
+            void* out, cudaStream_t stream) {
   const int64_t pairs = hypotheses * heads;
   decode_attention_kernel<T, D><<<(pairs + kDecodeWarps - 1) / kDecodeWarps, 32 * kDecodeWarps, 0, stream>>>(
       (const T*)q, q_stride, (const T*)keys, (const T*)values, position_stride, slot_stride, origin, origin_stride,
-      length, length_on_device, pairs, heads, (T*)out);
+      length, length_on_device, pairs, heads, (const T*)new_keys, (const T*)new_values, new_stride, (T*)keys,
+      (T*)values, (T*)out);
 }
 
 }  // namespace
@@ -117,12 +135,14 @@ bool decode_attention_supports(int head_dim) {
 void decode_attention(DType dt, const void* q, int64_t q_stride, const void* keys, const void* values,
                       int64_t position_stride, int64_t slot_stride, const int* origin, int64_t origin_stride,
                       int64_t hypotheses, int heads, int head_dim, int length, const int64_t* length_on_device,
-                      void* out, cudaStream_t stream) {
+                      const void* new_keys, const void* new_values, int64_t new_stride, void* out,
+                      cudaStream_t stream) {
   if (hypotheses == 0 || heads == 0) return;
   LS_DISPATCH(dt, {
     const auto run = [&](auto dim) {
       launch<T, decltype(dim)::value>(q, q_stride, keys, values, position_stride, slot_stride, origin, origin_stride,
-                                      hypotheses, heads, length, length_on_device, out, stream);
+                                      hypotheses, heads, length, length_on_device, new_keys, new_values, new_stride,
+                                      out, stream);
     };
     switch (head_dim) {
       case 32: run(std::integral_constant<int, 32>{}); break;

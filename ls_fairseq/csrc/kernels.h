@@ -176,12 +176,15 @@ void beam_advance(const float* values, const int64_t* indices, const int64_t* st
 // n * q_stride) over positions 0..length-1 of a cache written once: position p of hypothesis n is cache
 // slot origin[n * origin_stride + p], its keys at keys + p * position_stride + slot * slot_stride +
 // head * head_dim (values likewise) -> out [hypotheses, heads, head_dim], contiguous; length_on_device, if
-// not null, holds the length (at most `length`) in device memory
+// not null, holds the length (at most `length`) in device memory; new_keys / new_values, if not null, are
+// the step's own keys and values (rows like q's, n * new_stride), written into the cache at position
+// length - 1 of slot n and attended to there
 bool decode_attention_supports(int head_dim);
 void decode_attention(DType dt, const void* q, int64_t q_stride, const void* keys, const void* values,
                       int64_t position_stride, int64_t slot_stride, const int* origin, int64_t origin_stride,
                       int64_t hypotheses, int heads, int head_dim, int length, const int64_t* length_on_device,
-                      void* out, cudaStream_t stream);
+                      const void* new_keys, const void* new_values, int64_t new_stride, void* out,
+                      cudaStream_t stream);
 
 // adam.cu
 constexpr int kNormBlocks = 512;  // partial: kNormBlocks floats

@@ -110,12 +110,7 @@ class DecoderCache:
     def attend(self, layer, q, k, v):
         """``layer``'s self-attention at the step: writes the keys and values [N, heads, 1, d_head] of
         its position and returns the attention of q [N, heads, 1, d_head] over positions 0..step."""
-        N = q.shape[0]
-        at = self.t.view(1)
-        kv = self.kv[layer]
-        kv.select(1, 0)[:, :N].index_copy_(0, at, k[None, :, :, 0])
-        kv.select(1, 1)[:, :N].index_copy_(0, at, v[None, :, :, 0])
-        return decode_attention(q, kv, 0, self.origin, self.length)
+        return decode_attention(q, self.kv[layer], 0, self.origin, self.length, k, v)
 
     def reorder(self, order):
         """Hypothesis n continues hypothesis ``order[n]``; ``order`` may be

@@ -1,12 +1,15 @@
 """One decoding step's self-attention over a key/value cache that beam search never reorders.
 
-decode_attention(q, cache, layer, origin, length) -> [N, heads, 1, d_head]:
+decode_attention(q, cache, layer, origin, length, k=None, v=None) -> [N, heads, 1, d_head]:
 - q [N, heads, 1, d_head], already scaled: the query of each of N hypotheses at this step;
 - cache [capacity, 2 x layers, slots, heads, d_head]: at position p and slot s, the keys (2 x layer)
   and values (2 x layer + 1) that the hypothesis in slot s at step p wrote;
 - origin int32 [>= N, >= length]: hypothesis n's position p is in slot origin[n, p];
 - length: an int, or a 0-d int64 tensor on q's device (read by the kernel there, so that a CUDA
   graph of a decoding step replays at any step; the reference reads it on the host).
+- k, v (both or neither), laid out as q: the step's own keys and values, first written into the
+  cache at position length - 1 of slots 0..N-1 (where ``origin`` must then place them), so that
+  the cache write is part of the kernel and not a launch of its own.
 Each hypothesis attends to its positions 0..length-1 through its own row of ``origin``.
 
 Beam search reorders hypotheses at every step. Copying the cache into the new order (fairseq's
@@ -33,15 +36,26 @@ def gather_history(cache, layer, origin, length):
     return keys, values
 
 
-def decode_attention_reference(q, cache, layer, origin, length):
+def write_step(cache, layer, k, v, length):
+    """k and v [N, heads, 1, d_head] into ``cache`` at position length - 1 of slots 0..N-1 (a device
+    length is not read on the host)."""
+    N = k.shape[0]
+    at = (length - 1).view(1) if torch.is_tensor(length) else torch.tensor([length - 1], device=cache.device)
+    for part, t in ((0, k), (1, v)):
+        cache.select(1, 2 * layer + part)[:, :N].index_copy_(0, at, t[None, :, :, 0])
+
+
+def decode_attention_reference(q, cache, layer, origin, length, k=None, v=None):
+    if k is not None:
+        write_step(cache, layer, k, v, length)
     keys, values = gather_history(cache, layer, origin[: q.shape[0]], int(length))
     return attention(q, keys, values, None, 0.0, False)
 
 
-def decode_attention_kernel(q, cache, layer, origin, length):
+def decode_attention_kernel(q, cache, layer, origin, length, k=None, v=None):
     if torch.is_tensor(length):
-        return _C.decode_attention(q, cache, layer, origin, min(cache.shape[0], origin.shape[1]), length.view(1))
-    return _C.decode_attention(q, cache, layer, origin, length, None)
+        return _C.decode_attention(q, cache, layer, origin, min(cache.shape[0], origin.shape[1]), length.view(1), k, v)
+    return _C.decode_attention(q, cache, layer, origin, length, None, k, v)
 
 
 DECODE_ATTENTION_ROUTE = dispatch.Route(
@@ -53,11 +67,23 @@ DECODE_ATTENTION_ROUTE = dispatch.Route(
 HEAD_DIMS = (32, 64, 128, 256)  # the kernel's; others take the reference
 
 
-def decode_attention(q, cache, layer, origin, length):
+def laid_out_for_kernel(t):
+    """Whether ``t`` [N, heads, 1, d_head] has the kernel's layout: heads x d_head contiguous, 16-byte rows."""
+    return (t.shape[3] in HEAD_DIMS and t.stride(3) == 1 and t.stride(1) == t.shape[3] and t.stride(0) % 8 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def decode_attention(q, cache, layer, origin, length, k=None, v=None):
     """See the module docstring."""
     if q.dim() != 4 or q.shape[2] != 1 or cache.dim() != 5 or cache.shape[3:] != q.shape[1:2] + q.shape[3:]:
         raise ValueError("decode_attention: q {} must be [hypotheses, heads, 1, d_head] and cache {} [capacity, "
                          "2 x layers, slots, heads, d_head]".format(tuple(q.shape), tuple(cache.shape)))
+    if (k is None) != (v is None):
+        raise ValueError("decode_attention: the step's k and v come together")
+    if k is not None and (k.shape != q.shape or v.shape != q.shape or q.shape[0] > cache.shape[2]
+                          or k.dtype != cache.dtype or v.dtype != cache.dtype):
+        raise ValueError("decode_attention: k {} and v {} must be {} like q, for at most the cache's {} slots".format(
+            tuple(k.shape), tuple(v.shape), tuple(q.shape), cache.shape[2]))
     if torch.is_tensor(length):
         if length.dtype != torch.int64 or length.numel() != 1 or length.device != q.device:
             raise ValueError("decode_attention: a length tensor must be one int64 on {}, got {} {} on {}".format(
@@ -72,8 +98,7 @@ def decode_attention(q, cache, layer, origin, length):
         raise ValueError("decode_attention: origin {} {} must be int32 [>= {}, >= {}]".format(
             origin.dtype, tuple(origin.shape), q.shape[0], bound))
     run = DECODE_ATTENTION_ROUTE.pick(q)
-    if run is not decode_attention_reference and (q.shape[3] not in HEAD_DIMS or q.stride(3) != 1
-                                                  or q.stride(1) != q.shape[3] or q.stride(0) % 8 != 0
-                                                  or q.data_ptr() % 16 != 0):
+    if run is not decode_attention_reference and not (
+            laid_out_for_kernel(q) and (k is None or k.stride() == v.stride() and laid_out_for_kernel(k))):
         run = decode_attention_reference
-    return run(q, cache, layer, origin, length)
+    return run(q, cache, layer, origin, length, k, v)
