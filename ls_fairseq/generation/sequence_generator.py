@@ -333,7 +333,7 @@ class LSSequenceGenerator(nn.Module):
         if self.temperature != 1.0:
             logits = logits.div_(self.temperature)
         lprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)
-        lprobs.masked_fill_(lprobs.isnan(), -math.inf)
+        torch.nan_to_num_(lprobs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)  # one kernel, not isnan's two
         lprobs[:, self.pad] = -math.inf
         if self.unk_penalty:
             lprobs[:, self.unk] -= self.unk_penalty
