@@ -23,7 +23,10 @@ namespace ls {
 
 namespace {
 
-constexpr int kSelectThreads = 256;
+// A row's passes are chains of loads: a warp a run (32 runs by default) and 4 loads in flight a lane
+// keep them short (a block of 256 threads took ~40 us a row of 32,000, ~8 round trips of L2 a warp).
+constexpr int kSelectThreads = 1024;
+constexpr int kUnroll = 4;
 constexpr int kCandidates = 2048;
 constexpr int64_t kMinKey = INT64_MIN;
 constexpr int64_t kMaxKey = INT64_MAX;
@@ -81,9 +84,15 @@ __global__ void __launch_bounds__(kSelectThreads)
   for (int g = warp; g < groups; g += warps) {
     int64_t best = kMinKey;
     const int64_t end = min(M, (g + 1) * size);
-    for (int64_t j = g * size + lane; j < end; j += 32) {
-      const int64_t key = order_key(row[j], j);
-      best = key > best ? key : best;
+    for (int64_t j0 = g * size + lane; j0 < end; j0 += 32 * kUnroll) {
+      int64_t keys[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t j = j0 + 32 * u;
+        keys[u] = j < end ? order_key(row[j], j) : kMinKey;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) best = keys[u] > best ? keys[u] : best;
     }
     best = warp_max_key(best);
     if (lane == 0) group_max[g] = best;
@@ -105,11 +114,19 @@ __global__ void __launch_bounds__(kSelectThreads)
 
   // 3. the entries at or above the threshold into the buffer, then each one's rank among them
   const int64_t t = threshold;
-  for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
-    const int64_t key = order_key(row[j], j);
-    if (key >= t) {
-      const int at = atomicAdd(&count, 1);
-      if (at < kCandidates) candidates[at] = key;
+  for (int64_t j0 = threadIdx.x; j0 < M; j0 += int64_t(blockDim.x) * kUnroll) {
+    int64_t keys[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = j0 + int64_t(blockDim.x) * u;
+      keys[u] = j < M ? order_key(row[j], j) : kMinKey;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (j0 + int64_t(blockDim.x) * u < M && keys[u] >= t) {  // the threshold may be kMinKey itself
+        const int at = atomicAdd(&count, 1);
+        if (at < kCandidates) candidates[at] = keys[u];
+      }
     }
   }
   __syncthreads();
