@@ -40,7 +40,6 @@ OPS = (
     "cross_entropy",
     "adam",
     "beam_select",
-    "beam_scores",
     "beam_advance",
     "decode_attention",
 )
