@@ -215,11 +215,7 @@ def breakdown(args):
         task.inference_step(generator, [model], timed_move(sample, device))
     sync()
     total = time.perf_counter() - start
-    for cls, name, fn in saved:
-        if fn is None:
-            delattr(cls, name)
-        else:
-            setattr(cls, name, fn)
+    restore(saved)
     parts["the rest"] = total - sum(parts.values())
     print("profile_generate: {} sentences in {} batches of up to {}, beam {}, {} on {}{}: {:.1f} ms plain, "
           "{:.1f} ms instrumented".format(args.sentences, len(samples), args.batch_size, args.beam,
@@ -230,6 +226,15 @@ def breakdown(args):
     print("| --- | --- | --- | --- |")
     for name, seconds in sorted(parts.items(), key=lambda item: -item[1]):
         print("| {} | {:.1f} | {:.1%} | {} |".format(name, 1e3 * seconds, seconds / total, counts.get(name, "-")))
+
+
+def restore(saved):
+    """Undoes patches recorded as (class, name, the class's own attribute before, None if inherited)."""
+    for cls, name, fn in reversed(saved):
+        if fn is None:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, fn)
 
 
 SHORT_GAP_US = 20  # shorter gaps are counted together, not charged to a part
@@ -280,11 +285,7 @@ def print_idle(run_all, top, task, model):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             wall = run_all()
     finally:
-        for cls, name, fn in reversed(saved):
-            if fn is None:
-                delattr(cls, name)
-            else:
-                setattr(cls, name, fn)
+        restore(saved)
     events = prof.events()
     device = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
     ranges = [(e.time_range.start, e.time_range.end, e.name[3:]) for e in events
