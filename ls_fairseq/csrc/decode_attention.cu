@@ -42,8 +42,13 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   if (length_on_device != nullptr) length = int(min(max(*length_on_device, int64_t(0)), int64_t(length)));
   constexpr int V = kVec<T> < D ? kVec<T> : D;     // a key row's 16-byte pieces
   constexpr int kUnroll = D <= 128 ? D / V : 8;    // a whole key row's loads in flight, but for 256 (spills)
-  constexpr int E = D / 32;                        // a lane's dimensions of the weighted sum
-  constexpr int VE = E < kVec<T> ? E : kVec<T>;    // ... read VE at a time
+  // The weighted sum: L lanes hold a value row (E dimensions each, read VE at a time), so the warp
+  // takes P = 32 / L positions at once, each group of L lanes its own, and adds the groups' sums at
+  // the end (one position at a time, 2 dimensions a lane, left a short row's warp mostly waiting).
+  constexpr int L = D / kVec<T> < 32 ? D / kVec<T> : 32;
+  constexpr int P = 32 / L;
+  constexpr int E = D / L;
+  constexpr int VE = E < kVec<T> ? E : kVec<T>;
   __shared__ float qs[kDecodeWarps][D];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t item = int64_t(blockIdx.x) * kDecodeWarps + warp;
@@ -94,24 +99,34 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
     running_max = new_max;
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] *= rescale;
-#pragma unroll 8
-    for (int j = 0; j < count; ++j) {
-      const float wj = __shfl_sync(kFull, w, j);
-      const int sj = __shfl_sync(kFull, slot, j);
-      const T* v = (start + j == last ? fresh_value : values + (start + j) * position_stride + sj * slot_stride + head) +
-                   lane * E;
+    const int group = lane / L, dims = (lane % L) * E;
+#pragma unroll 4
+    for (int j0 = 0; j0 < count; j0 += P) {
+      const int j = j0 + group;
+      const float wj = __shfl_sync(kFull, w, j & 31);
+      const int sj = __shfl_sync(kFull, slot, j & 31);
+      if (j < count) {
+        const T* v =
+            (start + j == last ? fresh_value : values + (start + j) * position_stride + sj * slot_stride + head) + dims;
 #pragma unroll
-      for (int e0 = 0; e0 < E; e0 += VE) {
-        float vv[VE];
-        load<T, VE>(v + e0, vv);
+        for (int e0 = 0; e0 < E; e0 += VE) {
+          float vv[VE];
+          load<T, VE>(v + e0, vv);
 #pragma unroll
-        for (int e = 0; e < VE; ++e) acc[e0 + e] = fmaf(wj, vv[e], acc[e0 + e]);
+          for (int e = 0; e < VE; ++e) acc[e0 + e] = fmaf(wj, vv[e], acc[e0 + e]);
+        }
       }
     }
   }
-  T* o = out + item * D + lane * E;
 #pragma unroll
-  for (int e = 0; e < E; ++e) o[e] = from_f<T>(acc[e] / running_sum);
+  for (int offset = L; offset < 32; offset <<= 1)
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] += __shfl_xor_sync(kFull, acc[e], offset);
+  if (lane < L) {
+    T* o = out + item * D + lane * E;
+#pragma unroll
+    for (int e = 0; e < E; ++e) o[e] = from_f<T>(acc[e] / running_sum);
+  }
 }
 
 template <typename T, int D>
