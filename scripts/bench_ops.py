@@ -379,6 +379,23 @@ def bench_beam_select(copy_bw, sentences=128, beam=4, vocab=VOCAB):
                 kernels="{:.0f} / {:.0f}".format(stock_k, ls_k))
 
 
+def bench_beam_scores(dtype, copy_bw, sentences=128, beam=4, vocab=VOCAB):
+    """One decoding step's candidate scores of ``sentences`` x ``beam`` hypotheses from the logits:
+    the generator's torch ops (log_softmax in fp32, nan_to_num, the pad column, the minimum length's
+    EOS column, the cumulative add) against beam_scores's kernel."""
+    from ls_fairseq.ops.beam_scores import beam_scores, beam_scores_reference
+
+    logits = rand(sentences * beam, vocab, dtype=dtype)
+    cum = rand(sentences * beam, dtype=torch.float32)
+    t = torch.tensor(3, device="cuda")
+    stock_ms, stock_k = kernel_ms(lambda _: beam_scores_reference(logits, cum, t, 1, 3, 0.0, 2, 1), [None])
+    ls_ms, ls_k = kernel_ms(lambda _: beam_scores(logits, cum, t, 1, 3, 0.0, 2, 1), [None])
+    bytes_ = logits.numel() * (logits.element_size() + 4)
+    return dict(op="beam_scores (log-probs + cum)", stock_fwd_ms=stock_ms, ls_fwd_ms=ls_ms,
+                fwd_speedup=stock_ms / ls_ms, fwd_bw_pct=100 * bytes_ / ls_ms / 1e6 / copy_bw,
+                kernels="{:.0f} / {:.0f}".format(stock_k, ls_k))
+
+
 def bench_beam_advance(sentences=128, beam=4, positions=201):
     """One decoding step's bookkeeping after the candidates in a beam search of ``sentences`` x ``beam``
     (hypotheses finished into their slots, the survivors' histories reordered): the search's torch
@@ -439,6 +456,7 @@ def main():
     results.append(bench_grad_norm(dtype, copy_bw))
     results.append(bench_decode_attention(dtype, copy_bw))
     results.append(bench_beam_select(copy_bw))
+    results.append(bench_beam_scores(dtype, copy_bw))
     results.append(bench_beam_advance())
     if args.json:
         with open(args.json, "w") as f:

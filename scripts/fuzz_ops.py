@@ -44,6 +44,7 @@ from ls_fairseq.ops import dispatch  # noqa: E402
 from ls_fairseq.ops.beam_advance import STATE as BEAM_STATE  # noqa: E402
 from ls_fairseq.ops.beam_advance import beam_advance, beam_advance_reference  # noqa: E402
 from ls_fairseq.ops.beam_select import beam_select, beam_select_reference  # noqa: E402
+from ls_fairseq.ops.beam_scores import beam_scores, beam_scores_reference  # noqa: E402
 from ls_fairseq.ops.decode_attention import decode_attention, decode_attention_reference, gather_history  # noqa: E402
 from ls_fairseq.ops.attention import ATTENTION_ROUTE, attention_reference  # noqa: E402
 from ls_fairseq.ops.bias_act_dropout import BIAS_ACT_DROPOUT_ROUTE, bias_act_dropout_forward_reference  # noqa: E402
@@ -601,6 +602,27 @@ def case_beam_select(c):
 
 
 
+def case_beam_scores(c):
+    """beam_scores against its reference in fp64 (the error rule on the finite scores, the -inf ones
+    exactly where the reference has them); the step on the device half the time."""
+    dtype = c.dtype()
+    V = c.dim(60000, (8000, 32000, 44001, 5))
+    R = c.rows_for(V, 2048)
+    pad, unk, eos = (c.rng.randrange(V) for _ in range(3))
+    min_len, t = c.rng.randrange(4), c.rng.randrange(4)
+    c.params.update(R=R, V=V, pad=pad, unk=unk, eos=eos, min_len=min_len, t=t)
+    logits = c.tensor((R, V), dtype, 4.0)
+    cum = c.tensor((R,), torch.float32, 5.0, -5.0)
+    step = torch.tensor(t, device=c.device) if c.pick("step_on_device", (False, True)) else t
+    fill_free_memory(c)
+    out = beam_scores(logits, cum, step, pad, unk, 0.5, eos, min_len)
+    ref64 = beam_scores_reference(logits.double(), cum.double(), t, pad, unk, 0.5, eos, min_len)
+    low = beam_scores_reference(logits, cum, t, pad, unk, 0.5, eos, min_len)
+    barred = ref64.isinf()
+    c.equal("-inf", out.isinf(), barred)
+    c.kernel("scores", out.masked_fill(barred, 0.0), ref64.masked_fill(barred, 0.0), low.masked_fill(barred, 0.0))
+
+
 def case_beam_advance(c):
     """beam_advance against its reference: the state after the step exactly (the finished scores
     within 1e-6), the finished buffers' discard slot aside."""
@@ -689,6 +711,7 @@ CASES = {
     "cross_entropy": case_cross_entropy,
     "adam": case_adam,
     "beam_select": case_beam_select,
+    "beam_scores": case_beam_scores,
     "beam_advance": case_beam_advance,
     "decode_attention": case_decode_attention,
 }

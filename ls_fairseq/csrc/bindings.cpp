@@ -706,6 +706,34 @@ std::tuple<Tensor, Tensor> beam_select(const Tensor& scores, int64_t k, int64_t 
   return {values, indices};
 }
 
+// ---- beam_scores ----
+// logits [rows, M] contiguous, cum fp32 [rows], step: a one-element int64 tensor on the logits' device or
+// None (then step_value) -> fp32 [rows, M]
+Tensor beam_scores(const Tensor& logits, const Tensor& cum, const std::optional<Tensor>& step, int64_t step_value,
+                   int64_t pad, int64_t unk, double unk_penalty, int64_t eos, int64_t min_len) {
+  check(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2, "beam_scores: logits must be [rows, vocabulary], got ", logits.sizes());
+  const int64_t rows = logits.size(0), M = logits.size(1);
+  check(cum, "cum");
+  TORCH_CHECK(cum.scalar_type() == at::kFloat && cum.numel() == rows && cum.device() == logits.device(),
+              "beam_scores: cum must be fp32 [", rows, "] on ", logits.device());
+  for (int64_t column : {pad, unk, eos})
+    TORCH_CHECK(0 <= column && column < M, "beam_scores: column ", column, " outside the vocabulary of ", M);
+  if (step) {
+    TORCH_CHECK(step->is_cuda() && step->device() == logits.device() && step->scalar_type() == at::kLong &&
+                    step->numel() == 1,
+                "beam_scores: step must be one int64 on ", logits.device());
+  }
+  const c10::cuda::CUDAGuard guard(logits.device());
+  auto out = torch::empty({rows, M}, logits.options().dtype(at::kFloat));
+  ls::beam_scores(dtype_of(logits, "logits"), logits.data_ptr(), cum.data_ptr<float>(), rows, M,
+                  reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0,
+                  step ? step->data_ptr<int64_t>() : nullptr, step_value, pad, unk, float(unk_penalty), eos, min_len,
+                  out.data_ptr<float>(), stream());
+  CHECK_CUDA_OK();
+  return out;
+}
+
 // ---- beam_advance ----
 // values fp32 [B, 2k], indices int64 [B, 2k], step int64 [1], the state (ops/beam_advance.py's shapes), all
 // contiguous on one device; updated in place
@@ -940,6 +968,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_backward", &cross_entropy_backward);
   m.attr("beam_select_max_groups") = ls::kBeamSelectMaxGroups;
   m.def("beam_select", &beam_select);
+  m.def("beam_scores", &beam_scores);
   m.attr("beam_advance_max_beam") = ls::kBeamAdvanceMaxBeam;
   m.def("beam_advance", &beam_advance);
   m.def("decode_attention", &decode_attention);

@@ -163,6 +163,14 @@ constexpr int kBeamSelectMaxGroups = 1024;
 void beam_select(DType dt, const void* scores, void* values, int64_t* indices, int64_t rows, int64_t M, int k,
                  int groups, cudaStream_t stream);
 
+// beam_scores.cu: per row of logits [rows, M] (fp32/fp16/bf16) its log-softmax in fp32 with fairseq's fixes
+// (NaN -> -inf, column pad -inf, column unk minus unk_penalty, column eos -inf while the step is below min_len)
+// plus cum[row] -> out fp32 [rows, M]; step_on_device, if not null, holds the step (else `step`); vec: the
+// logits allow 16-byte loads
+void beam_scores(DType dt, const void* logits, const float* cum, int64_t rows, int64_t M, bool vec,
+                 const int64_t* step_on_device, int64_t step, int64_t pad, int64_t unk, float unk_penalty, int64_t eos,
+                 int64_t min_len, float* out, cudaStream_t stream);
+
 // beam_advance.cu: beam search's bookkeeping after beam_select for `sentences` sentences of k beams
 // (k <= kBeamAdvanceMaxBeam), L positions, the step read from device memory; the state in place (shapes in
 // ls_fairseq/ops/beam_advance.py)

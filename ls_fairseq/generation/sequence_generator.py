@@ -13,9 +13,9 @@ What differs is where it runs. Every step is batched tensor ops with shapes fixe
 (the step itself is read from a device tensor): the model's decode_step on preallocated caches
 (generation.DecoderCache: the encoder runs once, its keys and values for all layers once per
 batch; the self-attention's keys and values written once, a beam reorder copying a table of slot
-numbers), candidates from ops.beam_select, finished hypotheses written into per-sentence slots and
-the survivors' histories reordered by ops.beam_advance, the sentence's done flag and the stop test as
-tensors. Nothing in a step reads a tensor back to the host: no .item(), no boolean-mask indexing,
+numbers), an ordinary step's scores from ops.beam_scores, candidates from ops.beam_select, finished
+hypotheses written into per-sentence slots and the survivors' histories reordered by
+ops.beam_advance, the sentence's done flag and the stop test as tensors. Nothing in a step reads a tensor back to the host: no .item(), no boolean-mask indexing,
 no branch on a value. Every ``sync_every`` steps the host reads the sentences' done flags (one
 small copy): it stops when all are done, and when at least ``compact_fraction`` of the batch is
 done it drops those sentences (their results kept), as fairseq drops each finished sentence at
@@ -44,6 +44,7 @@ from ls_fairseq.generation.cache import DecoderCache
 from ls_fairseq.cuda_graphs import on_stream
 from ls_fairseq.generation.graphs import Buffers, StepGraph, decoding_stream, new_tensor
 from ls_fairseq.ops.beam_advance import beam_advance
+from ls_fairseq.ops.beam_scores import beam_scores
 from ls_fairseq.ops.beam_select import beam_select
 from ls_fairseq.ops.embedding import sinusoid_tables_made
 
@@ -317,10 +318,14 @@ class LSSequenceGenerator(nn.Module):
             cache.reorder(parents)
         cache.begin_step(t, length)
         logits = self.model.decoder.decode_step(s.tokens.gather(1, t.expand(s.tokens.shape[0], 1)), cache)
-        lprobs = self._log_probs(logits, t, step, max_len, s, prefix_tokens)
+        if self.temperature == 1.0 and self._ordinary(step, max_len, prefix_tokens):
+            # the log-probabilities' rules of an ordinary step and the cumulative scores in one op
+            scores = beam_scores(logits, s.cum, t, self.pad, self.unk, self.unk_penalty, self.eos, self.min_len)
+        else:
+            scores = self._log_probs(logits, t, step, max_len, s, prefix_tokens) + s.cum[:, None]
 
         # 2 x beam candidates per sentence; at step 0 only the first beam's (the others start at -inf)
-        values, index = beam_select((lprobs + s.cum[:, None]).view(-1, k * V), 2 * k)
+        values, index = beam_select(scores.view(-1, k * V), 2 * k)
         # the finished ones written, the first beam that do not end the sentence continued (fairseq's
         # finalize_hypos and active_hypos), the state updated in place: its tensors keep their memory
         beam_advance(values, index, t, s, parents, self.eos, self.pad, V, self.len_penalty, self.normalize_scores,

@@ -40,6 +40,7 @@ OPS = (
     "cross_entropy",
     "adam",
     "beam_select",
+    "beam_scores",
     "beam_advance",
     "decode_attention",
 )
