@@ -339,26 +339,27 @@ def bench_decode_attention(dtype, copy_bw, hypotheses=512, length=100, layers=6)
     """One decoding step's self-attention of one layer in a transformer-big beam search (128 sentences x
     beam 4, the step at position ``length``): fairseq's way, the reorder of the layer's keys and values
     into the new beam order (an index_select of the cache) and then attention over them, against
-    decode_attention over the cache as written, through a table of slot numbers, writing the step's
-    keys and values into it as the generator's call does."""
+    decode_attention over the cache as written, through a table of slot numbers, given the qkv GEMM's
+    output and its bias as the generator's call is (it adds the bias, scales q and writes the step's
+    keys and values into the cache)."""
     from ls_fairseq.ops.decode_attention import decode_attention
 
     D, s = HIDDEN // HEADS, torch.finfo(dtype).bits // 8
     cache = rand(length, 2 * layers, hypotheses, HEADS, D, dtype=dtype)
-    q = rand(hypotheses, HEADS, 1, D, dtype=dtype) * D**-0.5
+    q, k, v = rand(hypotheses, 1, 3 * HEADS * D, dtype=dtype).view(hypotheses, 3, HEADS, 1, D).unbind(1)
+    bias = rand(3 * HEADS * D, dtype=dtype)
     order = torch.randint(0, hypotheses, (hypotheses,), device="cuda")
     origin = torch.randint(0, hypotheses, (hypotheses, length), dtype=torch.int32, device="cuda")
     origin[:, length - 1] = torch.arange(hypotheses, dtype=torch.int32, device="cuda")
-    step_kv = rand(2, hypotheses, 1, HEADS, D, dtype=dtype).transpose(2, 3)  # laid out as split_heads leaves k, v
     keys = cache[:, :2].permute(2, 0, 1, 3, 4)  # [hypotheses, length, 2, heads, D]: fairseq's per-layer cache
 
     def stock(_):
         k, v = keys.index_select(0, order).unbind(2)
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-            return F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale=1.0)
+            return F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), scale=D**-0.5)
 
     stock_ms, stock_k = kernel_ms(stock, [None])
-    ls_ms, ls_k = kernel_ms(lambda _: decode_attention(q, cache, 0, origin, length, step_kv[0], step_kv[1]), [None])
+    ls_ms, ls_k = kernel_ms(lambda _: decode_attention(q, cache, 0, origin, length, k, v, bias, D**-0.5), [None])
     bytes_ = 2 * hypotheses * length * HEADS * D * s
     return dict(op="decode_attention (reorder + attention)", stock_fwd_ms=stock_ms, ls_fwd_ms=ls_ms,
                 fwd_speedup=stock_ms / ls_ms, fwd_bw_pct=100 * bytes_ / ls_ms / 1e6 / copy_bw,

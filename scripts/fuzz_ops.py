@@ -45,7 +45,8 @@ from ls_fairseq.ops.beam_advance import STATE as BEAM_STATE  # noqa: E402
 from ls_fairseq.ops.beam_advance import beam_advance, beam_advance_reference  # noqa: E402
 from ls_fairseq.ops.beam_select import beam_select, beam_select_reference  # noqa: E402
 from ls_fairseq.ops.beam_scores import beam_scores, beam_scores_reference  # noqa: E402
-from ls_fairseq.ops.decode_attention import decode_attention, decode_attention_reference, gather_history  # noqa: E402
+from ls_fairseq.ops.decode_attention import (add_bias, decode_attention, decode_attention_reference,  # noqa: E402
+                                             gather_history)
 from ls_fairseq.ops.attention import ATTENTION_ROUTE, attention_reference  # noqa: E402
 from ls_fairseq.ops.bias_act_dropout import BIAS_ACT_DROPOUT_ROUTE, bias_act_dropout_forward_reference  # noqa: E402
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout_backward_reference  # noqa: E402
@@ -668,8 +669,9 @@ def case_beam_advance(c):
 
 def case_decode_attention(c):
     """decode_attention over a cache read through a random origin table (positions from random slots,
-    more rows and slots than hypotheses), q as split_heads leaves it; lengths past one 1,024 chunk; half
-    the cases also give the step's k and v, which the kernel writes into the cache and attends to."""
+    more rows and slots than hypotheses), q as split_heads leaves it; lengths past one 1,024 chunk; two
+    thirds of the cases also give the step's k and v, which the kernel writes into the cache and attends
+    to, half of those as the qkv projection's output without its bias, which the kernel adds."""
     dtype = c.dtype()
     D = c.pick("D", (32, 64, 128, 256))
     H = c.dim(16, (4, 8, 16))
@@ -683,15 +685,21 @@ def case_decode_attention(c):
     q = (qkv[0] * D**-0.5).transpose(1, 2)
     cache = c.tensor((T + 2, 2 * layers, slots, H, D), dtype)
     origin = torch.randint(0, slots, (N + c.dim(3) - 1, T + c.dim(4) - 1), dtype=torch.int32, device=c.device)
-    step = c.pick("step_kv", (False, True))
-    if step:  # the generator's step: position T - 1 of hypothesis n in slot n, written by the call
+    step = c.pick("step_kv", ("none", "kv", "kv+bias"))
+    given, raw_q = (), q
+    if step != "none":  # the generator's step: position T - 1 of hypothesis n in slot n, written by the call
         origin[:N, T - 1] = torch.arange(N, dtype=torch.int32, device=c.device)
         k, v = qkv[1].transpose(1, 2), qkv[2].transpose(1, 2)
+        given = (k, v)
+        if step == "kv+bias":  # q, k, v the projection without its bias: the op adds it and scales q
+            bias = c.tensor((3 * H * D,), dtype)
+            raw_q, given = qkv[0].transpose(1, 2), (k, v, bias, D**-0.5)
+            q, k, v = add_bias(raw_q, k, v, bias, D**-0.5)  # what the op attends with and writes
         written = cache.clone()
         written[T - 1, 2 * layer, :N], written[T - 1, 2 * layer + 1, :N] = k[:, :, 0], v[:, :, 0]
     fill_free_memory(c)
-    out = decode_attention(q, cache, layer, origin, T, *((k, v) if step else ()))
-    if step:
+    out = decode_attention(raw_q, cache, layer, origin, T, *given)
+    if step != "none":
         c.equal("cache", cache, written)
     ref64 = decode_attention_reference(q.double(), cache.double(), layer, origin, T)
     keys, values = gather_history(cache, layer, origin[:N], T)

@@ -169,3 +169,62 @@ def test_kernel_writes_and_attends_to_the_steps_keys_and_values(dtype, N, H, D, 
     out = decode_attention(q, cache, 1, origin, torch.tensor(length, device="cuda"), k, v)
     assert torch.equal(cache, written)
     assert torch.equal(out, decode_attention(q, written, 1, origin, length))
+
+
+def projection(N, H, D, dtype=torch.float32, device="cpu"):
+    """The step's qkv projection without its bias: q, k, v as views of one [N, 1, 3 x H x D] output
+    (what the generator hands over), and a bias."""
+    x = torch.randn(N, 1, 3 * H * D, dtype=dtype, device=device)
+    bias = torch.randn(3 * H * D, dtype=dtype, device=device)
+    return x, x.view(N, 3, H, 1, D).unbind(1), bias
+
+
+@pytest.mark.parametrize("N,H,D,length", [(1, 1, 8, 1), (5, 3, 16, 7), (4, 2, 12, 33)])
+def test_bias_and_scaling_equal_split_heads_first(N, H, D, length):
+    """Given the projection's bias and the scaling, the op's output and the cache it writes equal, bit
+    for bit, those of split_heads (bias added, q scaled) followed by the op on its outputs."""
+    from ls_fairseq import ops
+
+    q, cache, origin = inputs(N, H, D, 2, length, length + 2, slots=N + 1)
+    origin[:, length - 1] = torch.arange(N, dtype=torch.int32)
+    x, (q, k, v), bias = projection(N, H, D)
+    written = cache.clone()
+    sq, sk, sv = ops.split_heads(x, bias, H, 3, D**-0.5, token_major=True)
+    expected = decode_attention(sq, written, 1, origin, length, sk, sv)
+    out = decode_attention(q, cache, 1, origin, length, k, v, bias, D**-0.5)
+    assert torch.equal(cache, written)
+    assert torch.equal(out, expected)
+
+
+def test_rejects_a_bad_bias():
+    q, cache, origin = inputs(3, 2, 8, 2, 4, 6)
+    _, (q, k, v), bias = projection(3, 2, 8)
+    with pytest.raises(ValueError, match="comes with the step's k and v"):
+        decode_attention(q, cache, 0, origin, 4, bias=bias)
+    with pytest.raises(ValueError, match=r"bias \(47,\)"):
+        decode_attention(q, cache, 0, origin, 4, k, v, bias[1:])
+    with pytest.raises(ValueError, match="bias .* torch.float16"):
+        decode_attention(q, cache, 0, origin, 4, k, v, bias.half())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("N,H,D,length", [(1, 1, 64, 1), (7, 3, 32, 33), (13, 16, 64, 201), (3, 2, 256, 67)])
+def test_kernel_adds_the_bias_as_split_heads_does(dtype, N, H, D, length):
+    """The generator's call: the qkv GEMM's output as views, its bias and the scaling, the length on
+    the device. The cache written and the output equal, bit for bit, those of the split_heads kernel
+    followed by the op on its outputs."""
+    from ls_fairseq import ops
+
+    _, cache, origin = inputs(N, H, D, 3, length, length + 3, dtype, "cuda")
+    origin[:, length - 1] = torch.arange(N, dtype=torch.int32, device="cuda")
+    x, (q, k, v), bias = projection(N, H, D, dtype, "cuda")
+    kernel("decode_attention", q)
+    kernel("qkv", x)
+    written = cache.clone()
+    sq, sk, sv = ops.split_heads(x, bias, H, 3, D**-0.5, token_major=True)
+    expected = decode_attention(sq, written, 1, origin, length, sk, sv)
+    poison()
+    out = decode_attention(q, cache, 1, origin, torch.tensor(length, device="cuda"), k, v, bias, D**-0.5)
+    assert torch.equal(cache, written)
+    assert torch.equal(out, expected)

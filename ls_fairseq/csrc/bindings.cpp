@@ -786,10 +786,11 @@ void beam_advance(const Tensor& values, const Tensor& indices, const Tensor& ste
 // d_head] contiguous, origin int32 [>= N, >= length] with unit stride along positions -> [N, heads, 1, d_head];
 // length_on_device: a one-element int64 tensor holding the length (clamped to `length`), read by the kernel;
 // k, v (both or neither): the step's keys and values, laid out as q, written into the cache at position
-// length - 1 of slots 0..N-1 (and attended to)
+// length - 1 of slots 0..N-1 (and attended to); bias [3 x heads x d_head] (with k and v only): q, k and v
+// are the projection's output without it; the kernel adds it and scales q by `scaling`
 Tensor decode_attention(const Tensor& q, const Tensor& cache, int64_t layer, const Tensor& origin, int64_t length,
                         const std::optional<Tensor>& length_on_device, const std::optional<Tensor>& k,
-                        const std::optional<Tensor>& v) {
+                        const std::optional<Tensor>& v, const std::optional<Tensor>& bias, double scaling) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor, got one on ", q.device());
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "decode_attention: q must be [hypotheses, heads, 1, d_head], got ",
               q.sizes());
@@ -830,6 +831,12 @@ Tensor decode_attention(const Tensor& q, const Tensor& cache, int64_t layer, con
     TORCH_CHECK(N <= cache.size(2), "decode_attention: ", N, " hypotheses' keys written into ", cache.size(2),
                 " slots");
   }
+  if (bias) {
+    TORCH_CHECK(k.has_value(), "decode_attention: a bias comes with the step's k and v");
+    check_like(*bias, q, "bias", "q");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == 3 * H * D && bias->is_contiguous(),
+                "decode_attention: bias must be [", 3 * H * D, "] contiguous, got ", bias->sizes());
+  }
   const c10::cuda::CUDAGuard guard(q.device());
   auto out = torch::empty({N, H, 1, D}, q.options());
   const char* base = static_cast<const char*>(cache.data_ptr());
@@ -838,8 +845,8 @@ Tensor decode_attention(const Tensor& q, const Tensor& cache, int64_t layer, con
                        base + (2 * layer + 1) * layer_bytes, cache.stride(0), cache.stride(2),
                        origin.data_ptr<int>(), origin.stride(0), N, int(H), int(D), int(length),
                        length_on_device ? length_on_device->data_ptr<int64_t>() : nullptr,
-                       k ? k->data_ptr() : nullptr, v ? v->data_ptr() : nullptr, k ? k->stride(0) : 0, out.data_ptr(),
-                       stream());
+                       k ? k->data_ptr() : nullptr, v ? v->data_ptr() : nullptr, k ? k->stride(0) : 0,
+                       bias ? bias->data_ptr() : nullptr, float(scaling), out.data_ptr(), stream());
   CHECK_CUDA_OK();
   return out;
 }

@@ -9,9 +9,11 @@
 // online softmax (running maximum and sum, rescaled per chunk) in shuffles, so the length has no cap
 // and no block-wide barrier is needed. The length may be read from device memory, so that a CUDA
 // graph of the step replays at every step; the kernel clamps it to the capacity the host passes.
-// Given the step's own keys and values (the QKV transform's output), it also writes them into the
-// cache at the last position, slot n, and attends to them from where they are: the cache write
-// costs no launch of its own.
+// Given the step's own keys and values, it also writes them into the cache at the last position,
+// slot n, and attends to them from shared memory: the cache write costs no launch of its own. Given
+// the projection's bias too, q, k and v are the qkv GEMM's output as it is (views of one [N, 3 x d]
+// row): the kernel adds the bias and scales q as the QKV transform would, rounding to T as it does,
+// so that transform's launch and its copy of q, k and v are gone.
 #include <cstdint>
 #include <type_traits>
 
@@ -36,7 +38,8 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
                             const int* __restrict__ origin, int64_t origin_stride, int length,
                             const int64_t* __restrict__ length_on_device, int64_t pairs, int heads,
                             const T* __restrict__ new_keys, const T* __restrict__ new_values, int64_t new_stride,
-                            T* __restrict__ key_cache, T* __restrict__ value_cache, T* __restrict__ out) {
+                            const T* __restrict__ bias, float scaling, T* __restrict__ key_cache,
+                            T* __restrict__ value_cache, T* __restrict__ out) {
   // A device length is bounded by the host's (the cache's capacity): a wrong value reads fewer
   // positions, never memory past the cache or the origin table.
   if (length_on_device != nullptr) length = int(min(max(*length_on_device, int64_t(0)), int64_t(length)));
@@ -50,22 +53,35 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
   constexpr int E = D / L;
   constexpr int VE = E < kVec<T> ? E : kVec<T>;
   __shared__ float qs[kDecodeWarps][D];
+  __shared__ __align__(16) T fresh[kDecodeWarps][2][D];  // the step's key and value rows, biased
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t item = int64_t(blockIdx.x) * kDecodeWarps + warp;
   if (item >= pairs) return;  // the whole warp: the kernel has no block-wide barrier
   const int64_t n = item / heads;
   const int64_t head = (item % heads) * D;
   float* qw = qs[warp];
-  for (int d = lane; d < D; d += 32) qw[d] = to_f(q[n * q_stride + head + d]);
+  // bias [3, heads x D]: q's part, k's, v's; each sum rounded to T as the QKV transform stores it
+  const int width = heads * D;
+  for (int d = lane; d < D; d += 32) {
+    const float b = bias != nullptr ? to_f(bias[head + d]) : 0.f;
+    qw[d] = to_f(from_f<T>((to_f(q[n * q_stride + head + d]) + b) * scaling));
+  }
   // the step's key and value of (n, head), stored at the last position of slot n for later steps; this
-  // step reads them from new_keys / new_values (the cache's copy is not read back in this kernel)
+  // step reads them from shared memory (the cache's copy is not read back in this kernel)
   const int last = new_keys != nullptr ? length - 1 : -1;
-  const T* fresh_key = last >= 0 ? new_keys + n * new_stride + head : nullptr;
-  const T* fresh_value = last >= 0 ? new_values + n * new_stride + head : nullptr;
+  const T* fresh_key = fresh[warp][0];
+  const T* fresh_value = fresh[warp][1];
   if (last >= 0) {
     for (int d = lane; d < D; d += 32) {
-      key_cache[last * position_stride + n * slot_stride + head + d] = fresh_key[d];
-      value_cache[last * position_stride + n * slot_stride + head + d] = fresh_value[d];
+      T key = new_keys[n * new_stride + head + d], value = new_values[n * new_stride + head + d];
+      if (bias != nullptr) {
+        key = from_f<T>(to_f(key) + to_f(bias[width + head + d]));
+        value = from_f<T>(to_f(value) + to_f(bias[2 * width + head + d]));
+      }
+      fresh[warp][0][d] = key;
+      fresh[warp][1][d] = value;
+      key_cache[last * position_stride + n * slot_stride + head + d] = key;
+      value_cache[last * position_stride + n * slot_stride + head + d] = value;
     }
   }
   __syncwarp();
@@ -133,12 +149,12 @@ template <typename T, int D>
 void launch(const void* q, int64_t q_stride, const void* keys, const void* values, int64_t position_stride,
             int64_t slot_stride, const int* origin, int64_t origin_stride, int64_t hypotheses, int heads, int length,
             const int64_t* length_on_device, const void* new_keys, const void* new_values, int64_t new_stride,
-            void* out, cudaStream_t stream) {
+            const void* bias, float scaling, void* out, cudaStream_t stream) {
   const int64_t pairs = hypotheses * heads;
   decode_attention_kernel<T, D><<<(pairs + kDecodeWarps - 1) / kDecodeWarps, 32 * kDecodeWarps, 0, stream>>>(
       (const T*)q, q_stride, (const T*)keys, (const T*)values, position_stride, slot_stride, origin, origin_stride,
-      length, length_on_device, pairs, heads, (const T*)new_keys, (const T*)new_values, new_stride, (T*)keys,
-      (T*)values, (T*)out);
+      length, length_on_device, pairs, heads, (const T*)new_keys, (const T*)new_values, new_stride, (const T*)bias,
+      scaling, (T*)keys, (T*)values, (T*)out);
 }
 
 }  // namespace
@@ -150,14 +166,14 @@ bool decode_attention_supports(int head_dim) {
 void decode_attention(DType dt, const void* q, int64_t q_stride, const void* keys, const void* values,
                       int64_t position_stride, int64_t slot_stride, const int* origin, int64_t origin_stride,
                       int64_t hypotheses, int heads, int head_dim, int length, const int64_t* length_on_device,
-                      const void* new_keys, const void* new_values, int64_t new_stride, void* out,
-                      cudaStream_t stream) {
+                      const void* new_keys, const void* new_values, int64_t new_stride, const void* bias,
+                      float scaling, void* out, cudaStream_t stream) {
   if (hypotheses == 0 || heads == 0) return;
   LS_DISPATCH(dt, {
     const auto run = [&](auto dim) {
       launch<T, decltype(dim)::value>(q, q_stride, keys, values, position_stride, slot_stride, origin, origin_stride,
                                       hypotheses, heads, length, length_on_device, new_keys, new_values, new_stride,
-                                      out, stream);
+                                      bias, scaling, out, stream);
     };
     switch (head_dim) {
       case 32: run(std::integral_constant<int, 32>{}); break;

@@ -186,13 +186,14 @@ void beam_advance(const float* values, const int64_t* indices, const int64_t* st
 // head * head_dim (values likewise) -> out [hypotheses, heads, head_dim], contiguous; length_on_device, if
 // not null, holds the length (at most `length`) in device memory; new_keys / new_values, if not null, are
 // the step's own keys and values (rows like q's, n * new_stride), written into the cache at position
-// length - 1 of slot n and attended to there
+// length - 1 of slot n and attended to there; bias, if not null ([3, heads x head_dim], with the step's
+// keys and values only), is added to q, k and v first, and q is scaled by `scaling` (1 for a scaled q)
 bool decode_attention_supports(int head_dim);
 void decode_attention(DType dt, const void* q, int64_t q_stride, const void* keys, const void* values,
                       int64_t position_stride, int64_t slot_stride, const int* origin, int64_t origin_stride,
                       int64_t hypotheses, int heads, int head_dim, int length, const int64_t* length_on_device,
-                      const void* new_keys, const void* new_values, int64_t new_stride, void* out,
-                      cudaStream_t stream);
+                      const void* new_keys, const void* new_values, int64_t new_stride, const void* bias,
+                      float scaling, void* out, cudaStream_t stream);
 
 // adam.cu
 constexpr int kNormBlocks = 512;  // partial: kNormBlocks floats

@@ -107,10 +107,12 @@ class DecoderCache:
         self.origin = self.slots[:N, None].expand(N, capacity).contiguous()
         self.generation += 1
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, bias=None, scaling=1.0):
         """``layer``'s self-attention at the step: writes the keys and values [N, heads, 1, d_head] of
-        its position and returns the attention of q [N, heads, 1, d_head] over positions 0..step."""
-        return decode_attention(q, self.kv[layer], 0, self.origin, self.length, k, v)
+        its position and returns the attention of q [N, heads, 1, d_head] over positions 0..step. Given
+        ``bias``, q, k and v are the projection's output without it (ops.decode_attention adds it and
+        scales q by ``scaling``)."""
+        return decode_attention(q, self.kv[layer], 0, self.origin, self.length, k, v, bias, scaling)
 
     def reorder(self, order):
         """Hypothesis n continues hypothesis ``order[n]``; ``order`` may be

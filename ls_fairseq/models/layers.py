@@ -156,14 +156,14 @@ class DecoderLayer(_Layer):
         """One step of incremental decoding (ls_fairseq.generation): x [N, 1, d] for the token at the
         cache's step of N = sentences x beams hypotheses. This layer's self-attention keys and
         values go into ``cache`` (a generation.DecoderCache; ``index`` this layer's number) at
-        the step and the query attends to positions 0..step; the cross-attention takes the cache's
+        the step and the query attends to positions 0..step (the qkv GEMM's output goes to
+        ops.decode_attention as it is, which adds the bias and scales q); the cross-attention takes the cache's
         keys and values of the encoder output (computed once per batch, one row per sentence) with
         the beams of a sentence as one block of queries, so they are never copied per beam."""
         attn = self.self_attn
         h, residual, _ = self._block_input(x, self.self_attn_layer_norm)
-        q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight), attn.qkv_proj.bias, attn.num_heads, 3,
-                                  attn.scaling, token_major=True)
-        ctx = cache.attend(index, q, k, v)
+        q, k, v = ops.linear(h, attn.qkv_proj.weight).view(x.shape[0], 3, attn.num_heads, 1, -1).unbind(1)
+        ctx = cache.attend(index, q, k, v, attn.qkv_proj.bias, attn.scaling)
         x = self._block_output(ops.linear(ctx, attn.out_proj.weight, heads=True), attn.out_proj.bias, x,
                                self.self_attn_layer_norm, residual)
         attn = self.encoder_attn

@@ -1,6 +1,7 @@
 """One decoding step's self-attention over a key/value cache that beam search never reorders.
 
-decode_attention(q, cache, layer, origin, length, k=None, v=None) -> [N, heads, 1, d_head]:
+decode_attention(q, cache, layer, origin, length, k=None, v=None, bias=None, scaling=1.0)
+-> [N, heads, 1, d_head]:
 - q [N, heads, 1, d_head], already scaled: the query of each of N hypotheses at this step;
 - cache [capacity, 2 x layers, slots, heads, d_head]: at position p and slot s, the keys (2 x layer)
   and values (2 x layer + 1) that the hypothesis in slot s at step p wrote;
@@ -10,6 +11,10 @@ decode_attention(q, cache, layer, origin, length, k=None, v=None) -> [N, heads, 
 - k, v (both or neither), laid out as q: the step's own keys and values, first written into the
   cache at position length - 1 of slots 0..N-1 (where ``origin`` must then place them), so that
   the cache write is part of the kernel and not a launch of its own.
+- bias [3 x heads x d_head] (with k and v only) and ``scaling``: q, k and v are then the qkv
+  projection's output without its bias (views of one [N, 3 x heads x d_head] GEMM output): the op
+  adds q's, k's and v's part of the bias and scales q, in fp32, each rounded to the dtype as
+  ops.split_heads does, so the step needs no split_heads launch and gets the same values.
 Each hypothesis attends to its positions 0..length-1 through its own row of ``origin``.
 
 Beam search reorders hypotheses at every step. Copying the cache into the new order (fairseq's
@@ -45,17 +50,30 @@ def write_step(cache, layer, k, v, length):
         cache.select(1, 2 * layer + part)[:, :N].index_copy_(0, at, t[None, :, :, 0])
 
 
-def decode_attention_reference(q, cache, layer, origin, length, k=None, v=None):
+def add_bias(q, k, v, bias, scaling):
+    """(q + its bias) x scaling, k + its bias, v + its bias, computed in fp32 (at least) and rounded to
+    the dtype as ops.split_heads's reference does."""
+    N, H, _, D = q.shape
+    parts = dispatch.upcast(bias).view(3, 1, H, 1, D)
+    return tuple(((dispatch.upcast(t) + b) * s).to(t.dtype) for t, b, s in zip((q, k, v), parts, (scaling, 1, 1)))
+
+
+def decode_attention_reference(q, cache, layer, origin, length, k=None, v=None, bias=None, scaling=1.0):
+    if bias is not None:
+        q, k, v = add_bias(q, k, v, bias, scaling)
+    elif scaling != 1.0:
+        q = (dispatch.upcast(q) * scaling).to(q.dtype)
     if k is not None:
         write_step(cache, layer, k, v, length)
     keys, values = gather_history(cache, layer, origin[: q.shape[0]], int(length))
     return attention(q, keys, values, None, 0.0, False)
 
 
-def decode_attention_kernel(q, cache, layer, origin, length, k=None, v=None):
+def decode_attention_kernel(q, cache, layer, origin, length, k=None, v=None, bias=None, scaling=1.0):
     if torch.is_tensor(length):
-        return _C.decode_attention(q, cache, layer, origin, min(cache.shape[0], origin.shape[1]), length.view(1), k, v)
-    return _C.decode_attention(q, cache, layer, origin, length, None, k, v)
+        return _C.decode_attention(q, cache, layer, origin, min(cache.shape[0], origin.shape[1]), length.view(1), k, v,
+                                   bias, scaling)
+    return _C.decode_attention(q, cache, layer, origin, length, None, k, v, bias, scaling)
 
 
 DECODE_ATTENTION_ROUTE = dispatch.Route(
@@ -73,7 +91,7 @@ def laid_out_for_kernel(t):
             and t.data_ptr() % 16 == 0)
 
 
-def decode_attention(q, cache, layer, origin, length, k=None, v=None):
+def decode_attention(q, cache, layer, origin, length, k=None, v=None, bias=None, scaling=1.0):
     """See the module docstring."""
     if q.dim() != 4 or q.shape[2] != 1 or cache.dim() != 5 or cache.shape[3:] != q.shape[1:2] + q.shape[3:]:
         raise ValueError("decode_attention: q {} must be [hypotheses, heads, 1, d_head] and cache {} [capacity, "
@@ -84,6 +102,12 @@ def decode_attention(q, cache, layer, origin, length, k=None, v=None):
                           or k.dtype != cache.dtype or v.dtype != cache.dtype):
         raise ValueError("decode_attention: k {} and v {} must be {} like q, for at most the cache's {} slots".format(
             tuple(k.shape), tuple(v.shape), tuple(q.shape), cache.shape[2]))
+    if bias is not None and k is None:
+        raise ValueError("decode_attention: a bias comes with the step's k and v")
+    if bias is not None and (bias.shape != (3 * q.shape[1] * q.shape[3],) or bias.dtype != q.dtype
+                             or bias.device != q.device):
+        raise ValueError("decode_attention: bias {} {} on {} must be [3 x heads x d_head = {}], {} on {}".format(
+            tuple(bias.shape), bias.dtype, bias.device, 3 * q.shape[1] * q.shape[3], q.dtype, q.device))
     if torch.is_tensor(length):
         if length.dtype != torch.int64 or length.numel() != 1 or length.device != q.device:
             raise ValueError("decode_attention: a length tensor must be one int64 on {}, got {} {} on {}".format(
@@ -99,6 +123,7 @@ def decode_attention(q, cache, layer, origin, length, k=None, v=None):
             origin.dtype, tuple(origin.shape), q.shape[0], bound))
     run = DECODE_ATTENTION_ROUTE.pick(q)
     if run is not decode_attention_reference and not (
-            laid_out_for_kernel(q) and (k is None or k.stride() == v.stride() and laid_out_for_kernel(k))):
+            laid_out_for_kernel(q) and (k is None or k.stride() == v.stride() and laid_out_for_kernel(k))
+            and (bias is None or bias.is_contiguous())):
         run = decode_attention_reference
-    return run(q, cache, layer, origin, length, k, v)
+    return run(q, cache, layer, origin, length, k, v, bias, scaling)
