@@ -15,13 +15,14 @@ What differs is where it runs. Every step is batched tensor ops with shapes fixe
 batch; the self-attention's keys and values written once, a beam reorder copying a table of slot
 numbers), an ordinary step's scores from ops.beam_scores, candidates from ops.beam_select, finished
 hypotheses written into per-sentence slots and the survivors' histories reordered by
-ops.beam_advance, the sentence's done flag and the stop test as tensors. Nothing in a step reads a tensor back to the host: no .item(), no boolean-mask indexing,
-no branch on a value. Every ``sync_every`` steps the host reads the sentences' done flags (one
-small copy): it stops when all are done, and when at least ``compact_fraction`` of the batch is
-done it drops those sentences (their results kept), as fairseq drops each finished sentence at
-once; with CUDA graphs at the next sync point, so that the device works while the host captures.
-Finished sentences still in the batch run on without effect until then. On a GPU the batch runs on a
-stream of its own (the CUDA graphs' capture stream) and the results are assembled on the caller's.
+ops.beam_advance, the sentence's done flag and the stop test as tensors. Nothing in a step reads a
+tensor back to the host: no .item(), no boolean-mask indexing, no branch on a value. Every
+``sync_every`` steps the host reads the sentences' done flags (one small copy): it stops when all
+are done, and when at least ``compact_fraction`` of the batch is done it drops those sentences
+(their results kept), as fairseq drops each finished sentence at once; with CUDA graphs at the
+next sync point, so that the device works while the host captures. Finished sentences still in
+the batch run on without effect until then. On a GPU the batch runs on a stream of its own (the
+CUDA graphs' capture stream) and the results are assembled on the caller's.
 
 Two deliberate differences, both where fairseq's own results are not defined by its search:
 - the order among candidates of exactly equal score (fairseq's is torch.topk's, unspecified;
