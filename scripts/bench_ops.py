@@ -366,6 +366,39 @@ def bench_decode_attention(dtype, copy_bw, hypotheses=512, length=100, layers=6)
                 kernels="{:.0f} / {:.0f}".format(stock_k, ls_k))
 
 
+def bench_beam_attention(dtype, copy_bw, sentences=128, beam=4, source=30):
+    """One decoding step's cross-attention of one layer in a transformer-big beam search (128 sentences
+    x beam 4, a source of ``source`` tokens): fairseq's way, the query scaled (after the projection's
+    bias, which its GEMM adds) and attention of each hypothesis over its own copy of the sentence's
+    keys and values, against beam_attention on the query projection's output without bias, each
+    sentence's keys and values read once for its beams."""
+    from ls_fairseq import ops
+    from ls_fairseq.ops.beam_attention import beam_attention
+
+    D, s, N = HIDDEN // HEADS, torch.finfo(dtype).bits // 8, sentences * beam
+    q = rand(sentences, beam, HEADS, D, dtype=dtype).transpose(1, 2)
+    bias = rand(HEADS * D, dtype=dtype)
+    k, v = rand(2, sentences, HEADS, source, D, dtype=dtype).unbind(0)
+    pad = torch.zeros(sentences, source, dtype=torch.bool, device="cuda")
+    pad[1::2, :5] = True
+    mask = ops.AttentionMask(pad)
+    per_hypothesis = [t.repeat_interleave(beam, 0) for t in (k, v)]  # fairseq's encoder output per hypothesis
+    additive = torch.zeros(N, 1, 1, source, dtype=dtype, device="cuda").masked_fill_(
+        pad.repeat_interleave(beam, 0)[:, None, None], float("-inf"))
+    q_stock = q.transpose(1, 2).reshape(N, HEADS, 1, D)
+
+    def stock(_):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            return F.scaled_dot_product_attention(q_stock * D**-0.5, *per_hypothesis, attn_mask=additive, scale=1.0)
+
+    stock_ms, stock_k = kernel_ms(stock, [None])
+    ls_ms, ls_k = kernel_ms(lambda _: beam_attention(q, k, v, mask, bias, D**-0.5), [None])
+    bytes_ = 2 * sentences * source * HEADS * D * s
+    return dict(op="beam_attention (cross, decoding)", stock_fwd_ms=stock_ms, ls_fwd_ms=ls_ms,
+                fwd_speedup=stock_ms / ls_ms, fwd_bw_pct=100 * bytes_ / ls_ms / 1e6 / copy_bw,
+                kernels="{:.0f} / {:.0f}".format(stock_k, ls_k))
+
+
 def bench_beam_select(copy_bw, sentences=128, beam=4, vocab=VOCAB):
     """One decoding step's candidate selection in a beam search of ``sentences`` x ``beam`` over the
     vocabulary: fairseq's torch.topk of the 2 x beam best of each sentence's beam x vocabulary
@@ -456,6 +489,7 @@ def main():
     results.append(bench_adam(dtype, copy_bw))
     results.append(bench_grad_norm(dtype, copy_bw))
     results.append(bench_decode_attention(dtype, copy_bw))
+    results.append(bench_beam_attention(dtype, copy_bw))
     results.append(bench_beam_select(copy_bw))
     results.append(bench_beam_scores(dtype, copy_bw))
     results.append(bench_beam_advance())

@@ -45,6 +45,7 @@ from ls_fairseq.ops.beam_advance import STATE as BEAM_STATE  # noqa: E402
 from ls_fairseq.ops.beam_advance import beam_advance, beam_advance_reference  # noqa: E402
 from ls_fairseq.ops.beam_select import beam_select, beam_select_reference  # noqa: E402
 from ls_fairseq.ops.beam_scores import beam_scores, beam_scores_reference  # noqa: E402
+from ls_fairseq.ops.beam_attention import beam_attention, beam_attention_reference, scaled_query  # noqa: E402
 from ls_fairseq.ops.decode_attention import (add_bias, decode_attention, decode_attention_reference,  # noqa: E402
                                              gather_history)
 from ls_fairseq.ops.attention import ATTENTION_ROUTE, attention_reference  # noqa: E402
@@ -707,6 +708,33 @@ def case_decode_attention(c):
         decode_attention_reference(q, cache, layer, origin, T)
     c.kernel("out", out, ref64, low)
 
+
+def case_beam_attention(c):
+    """beam_attention as the generator calls it (the query projection's output as a view, its bias and
+    the scaling) over one sentence's keys and values for all its beams, left padding of random lengths
+    (at least one key); beams past one warp's four, sources past one chunk of 32 keys."""
+    dtype = c.dtype()
+    D = c.pick("D", (32, 64, 128, 256))
+    H = c.dim(16, (4, 8, 16))
+    S = c.dim(1100, (1, 21, 32, 33, 200))
+    beams = c.pick("beams", (1, 2, 4, 5, 9))
+    B = c.rows_for(2 * S * H * D, 128)
+    c.params.update(B=B, H=H, S=S, beams=beams, D=D)
+    q = c.tensor((B, beams, H, D), dtype).transpose(1, 2)
+    bias = c.tensor((H * D,), dtype)
+    kv = c.tensor((2, B, H, S, D), dtype)
+    lengths = torch.tensor([c.rng.randint(1, S) for _ in range(B)], device=c.device)
+    pad = torch.arange(S, device=c.device)[None, :] < S - lengths[:, None]
+    mask = ops.AttentionMask(pad)
+    fill_free_memory(c)
+    out = beam_attention(q, kv[0], kv[1], mask, bias, D**-0.5)
+    sq = scaled_query(q, bias, D**-0.5)
+    ref64 = beam_attention_reference(sq.double(), kv[0].double(), kv[1].double(), mask)
+    low = F.scaled_dot_product_attention(sq, kv[0], kv[1], attn_mask=~pad[:, None, None, :],
+                                         scale=1.0) if c.device != "cpu" else \
+        beam_attention_reference(sq, kv[0], kv[1], mask)
+    c.kernel("out", out, ref64, low)
+
 CASES = {
     "embedding": case_embedding,
     "qkv": case_qkv,
@@ -722,6 +750,7 @@ CASES = {
     "beam_scores": case_beam_scores,
     "beam_advance": case_beam_advance,
     "decode_attention": case_decode_attention,
+    "beam_attention": case_beam_attention,
 }
 assert tuple(CASES) == dispatch.OPS, "fuzz every op of dispatch.OPS, in its order"
 

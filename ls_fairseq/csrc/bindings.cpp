@@ -851,6 +851,59 @@ Tensor decode_attention(const Tensor& q, const Tensor& cache, int64_t layer, con
   return out;
 }
 
+// ---- beam_attention ----
+// q [B, heads, beams, d_head] (unit stride along d_head), k, v [B, heads, S, d_head] (unit stride along d_head,
+// 16-byte rows), key_padding_mask bool [B, S] (True = pad, unit stride along S) or None, bias [heads x d_head]
+// or None -> [B, heads, beams, d_head], a view of token-major [B, beams, heads, d_head] storage
+Tensor beam_attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& key_padding_mask,
+                      const std::optional<Tensor>& bias, double scaling) {
+  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor, got one on ", q.device());
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "beam_attention: q and k must be 4-d, got ", q.sizes(), " and ",
+              k.sizes());
+  const int64_t B = q.size(0), H = q.size(1), beams = q.size(2), D = q.size(3), S = k.size(2);
+  check_like(k, q, "k", "q");
+  check_like(v, q, "v", "q");
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(),
+              "beam_attention: k and v must be [", B, ", ", H, ", S, ", D, "], got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(ls::beam_attention_supports(int(D)), "beam_attention: d_head ", D, " is not 32, 64, 128 or 256");
+  TORCH_CHECK(S >= 1, "beam_attention: no keys");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && k.strides() == v.strides(),
+              "beam_attention: q, k and v need a unit stride along d_head and k, v the same strides");
+  const int64_t vec = 16 / k.element_size();
+  for (int i = 0; i < 3; ++i)
+    TORCH_CHECK(k.stride(i) % vec == 0, "beam_attention: k and v rows must be 16-byte aligned, strides ", k.strides());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(k.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0,
+              "beam_attention: k and v must be 16-byte aligned");
+  TORCH_CHECK(B < (int64_t(1) << 31) && H * beams < (int64_t(1) << 31) && S < (int64_t(1) << 31),
+              "beam_attention: too many sentences, heads or keys");
+  const uint8_t* padding = nullptr;
+  int64_t padding_stride = 0;
+  if (key_padding_mask) {
+    check(*key_padding_mask, "key_padding_mask");
+    TORCH_CHECK(key_padding_mask->scalar_type() == at::kBool && key_padding_mask->device() == q.device() &&
+                    key_padding_mask->dim() == 2 && key_padding_mask->size(0) == B &&
+                    key_padding_mask->size(1) == S && key_padding_mask->stride(1) == 1,
+                "beam_attention: key_padding_mask must be bool [", B, ", ", S, "] on ", q.device(),
+                " with unit stride along the keys, got ", key_padding_mask->scalar_type(), " ",
+                key_padding_mask->sizes());
+    padding = reinterpret_cast<const uint8_t*>(key_padding_mask->data_ptr());
+    padding_stride = key_padding_mask->stride(0);
+  }
+  if (bias) {
+    check_like(*bias, q, "bias", "q");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == H * D && bias->is_contiguous(), "beam_attention: bias must be [",
+                H * D, "] contiguous, got ", bias->sizes());
+  }
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto out = torch::empty({B, beams, H, D}, q.options());
+  ls::beam_attention(dtype_of(q, "q"), q.data_ptr(), {q.stride(0), q.stride(1), q.stride(2)}, k.data_ptr(),
+                     v.data_ptr(), {k.stride(0), k.stride(1), k.stride(2)}, padding, padding_stride,
+                     bias ? bias->data_ptr() : nullptr, float(scaling), int(B), int(H), int(beams), int(D), int(S),
+                     out.data_ptr(), stream());
+  CHECK_CUDA_OK();
+  return out.transpose(1, 2);
+}
+
 // ---- adam ----
 void check_f32_like(const Tensor& t, const Tensor& param, const char* name) {
   check(t, name);
@@ -979,6 +1032,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("beam_advance_max_beam") = ls::kBeamAdvanceMaxBeam;
   m.def("beam_advance", &beam_advance);
   m.def("decode_attention", &decode_attention);
+  m.def("beam_attention", &beam_attention);
   m.def("adam_step", &adam_step);
   m.def("grad_norm", &grad_norm);
   m.def("scaled_grad_norm", &scaled_grad_norm);

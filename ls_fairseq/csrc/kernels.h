@@ -195,6 +195,21 @@ void decode_attention(DType dt, const void* q, int64_t q_stride, const void* key
                       const void* new_keys, const void* new_values, int64_t new_stride, const void* bias,
                       float scaling, void* out, cudaStream_t stream);
 
+// beam_attention.cu: a decoding step's cross-attention of `beams` queries a sentence, q[b, head, j] at
+// q + b * sentence + head * head + j * row (strides in elements; `row`: the beam, or for keys the key
+// position), against the sentence's keys and values [sentence, heads, length, head_dim] (kv strides; last
+// dimension contiguous, 16-byte rows), padding (uint8, nonzero = a padded key; row b at b * padding_stride)
+// or null; bias [heads x head_dim] or null added to q, then q scaled by `scaling`, rounded to T as the QKV
+// transform does -> out [sentences, beams, heads, head_dim], contiguous
+struct BeamAttentionStrides {
+  int64_t sentence, head, row;
+};
+bool beam_attention_supports(int head_dim);
+void beam_attention(DType dt, const void* q, BeamAttentionStrides q_strides, const void* keys, const void* values,
+                    BeamAttentionStrides kv_strides, const uint8_t* padding, int64_t padding_stride, const void* bias,
+                    float scaling, int sentences, int heads, int beams, int head_dim, int length, void* out,
+                    cudaStream_t stream);
+
 // adam.cu
 constexpr int kNormBlocks = 512;  // partial: kNormBlocks floats
 // The loss-scale and clipping decision grad_norm can take on the device once the

@@ -156,10 +156,11 @@ class DecoderLayer(_Layer):
         """One step of incremental decoding (ls_fairseq.generation): x [N, 1, d] for the token at the
         cache's step of N = sentences x beams hypotheses. This layer's self-attention keys and
         values go into ``cache`` (a generation.DecoderCache; ``index`` this layer's number) at
-        the step and the query attends to positions 0..step (the qkv GEMM's output goes to
-        ops.decode_attention as it is, which adds the bias and scales q); the cross-attention takes the cache's
+        the step and the query attends to positions 0..step; the cross-attention takes the cache's
         keys and values of the encoder output (computed once per batch, one row per sentence) with
-        the beams of a sentence as one block of queries, so they are never copied per beam."""
+        the beams of a sentence as one block of queries, so they are never copied per beam. Both
+        attention ops take their projection's GEMM output as it is, adding the bias and scaling
+        the query themselves (no split_heads launch)."""
         attn = self.self_attn
         h, residual, _ = self._block_input(x, self.self_attn_layer_norm)
         q, k, v = ops.linear(h, attn.qkv_proj.weight).view(x.shape[0], 3, attn.num_heads, 1, -1).unbind(1)
@@ -168,12 +169,10 @@ class DecoderLayer(_Layer):
                                self.self_attn_layer_norm, residual)
         attn = self.encoder_attn
         h, residual, _ = self._block_input(x, self.encoder_attn_layer_norm)
-        (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight), attn.q_proj.bias, attn.num_heads, 1, attn.scaling,
-                               token_major=True)
         enc_k, enc_v, enc_mask = cache.encoder(index)
-        N, H, _, D = q.shape
-        q = q.transpose(1, 2).reshape(enc_k.shape[0], N // enc_k.shape[0], H, D).transpose(1, 2)
-        ctx = beam_attention(q, enc_k, enc_v, enc_mask)
-        out = ops.linear(ctx, attn.out_proj.weight, heads=True).reshape(N, 1, H * D)
+        N, B, H = x.shape[0], enc_k.shape[0], attn.num_heads
+        q = ops.linear(h, attn.q_proj.weight).view(B, N // B, H, -1).transpose(1, 2)
+        ctx = beam_attention(q, enc_k, enc_v, enc_mask, attn.q_proj.bias, attn.scaling)
+        out = ops.linear(ctx, attn.out_proj.weight, heads=True).reshape(N, 1, -1)
         x = self._block_output(out, attn.out_proj.bias, x, self.encoder_attn_layer_norm, residual)
         return self._ffn(x)

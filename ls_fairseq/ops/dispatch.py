@@ -43,6 +43,7 @@ OPS = (
     "beam_scores",
     "beam_advance",
     "decode_attention",
+    "beam_attention",
 )
 
 
