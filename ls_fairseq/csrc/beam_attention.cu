@@ -99,24 +99,25 @@ __global__ void __launch_bounds__(32 * kWarps)
 #pragma unroll
       for (int e = 0; e < E; ++e) acc[j][e] *= rescale;
     }
+    // no branch around the loads (a group past the chunk's end reads its last position), so that the
+    // unrolled iterations' loads are all in flight before the first one is used; a padded position's
+    // values are read but not added (0 x its values could be NaN)
 #pragma unroll 4
     for (int j0 = 0; j0 < count; j0 += P) {
-      const int p = j0 + grp;
-      const bool used = __shfl_sync(kFull, live, p & 31);
+      const int p = j0 + grp, pc = min(p, count - 1);
+      const bool used = __shfl_sync(kFull, live, pc) && p < count;
       float wp[kBeams];
 #pragma unroll
-      for (int j = 0; j < kBeams; ++j) wp[j] = __shfl_sync(kFull, w[j], p & 31);
-      if (p < count && used) {  // a padded position's value row is not read (0 x its values could be NaN)
-        const T* v = vb + (start + p) * kvs.row + dims;
+      for (int j = 0; j < kBeams; ++j) wp[j] = __shfl_sync(kFull, w[j], pc);
+      const T* v = vb + (start + pc) * kvs.row + dims;
 #pragma unroll
-        for (int e0 = 0; e0 < E; e0 += VE) {
-          float vv[VE];
-          load<T, VE>(v + e0, vv);
+      for (int e0 = 0; e0 < E; e0 += VE) {
+        float vv[VE];
+        load<T, VE>(v + e0, vv);
 #pragma unroll
-          for (int j = 0; j < kBeams; ++j)
+        for (int j = 0; j < kBeams; ++j)
 #pragma unroll
-            for (int e = 0; e < VE; ++e) acc[j][e0 + e] = fmaf(wp[j], vv[e], acc[j][e0 + e]);
-        }
+          for (int e = 0; e < VE; ++e) acc[j][e0 + e] = used ? fmaf(wp[j], vv[e], acc[j][e0 + e]) : acc[j][e0 + e];
       }
     }
   }
@@ -130,9 +131,10 @@ __global__ void __launch_bounds__(32 * kWarps)
 #pragma unroll
     for (int j = 0; j < kBeams; ++j) {
       if (j >= queries) break;
-      T* o = out + ((b * beams + first + j) * heads + head) * D + lane * E;
+      float r[E];
 #pragma unroll
-      for (int e = 0; e < E; ++e) o[e] = from_f<T>(acc[j][e] / running_sum[j]);
+      for (int e = 0; e < E; ++e) r[e] = acc[j][e] / running_sum[j];
+      store<T, E>(out + ((b * beams + first + j) * heads + head) * D + lane * E, r);  // E x T: one or two stores
     }
   }
 }

@@ -116,21 +116,21 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] *= rescale;
     const int group = lane / L, dims = (lane % L) * E;
+    // no branch around the loads (a group past the chunk's end reads its last position and adds
+    // nothing), so that the unrolled iterations' loads are all in flight before the first one is used
 #pragma unroll 4
     for (int j0 = 0; j0 < count; j0 += P) {
-      const int j = j0 + group;
-      const float wj = __shfl_sync(kFull, w, j & 31);
-      const int sj = __shfl_sync(kFull, slot, j & 31);
-      if (j < count) {
-        const T* v =
-            (start + j == last ? fresh_value : values + (start + j) * position_stride + sj * slot_stride + head) + dims;
+      const int j = j0 + group, jc = min(j, count - 1);
+      const float wj = __shfl_sync(kFull, w, jc);
+      const int sj = __shfl_sync(kFull, slot, jc);
+      const T* v =
+          (start + jc == last ? fresh_value : values + (start + jc) * position_stride + sj * slot_stride + head) + dims;
 #pragma unroll
-        for (int e0 = 0; e0 < E; e0 += VE) {
-          float vv[VE];
-          load<T, VE>(v + e0, vv);
+      for (int e0 = 0; e0 < E; e0 += VE) {
+        float vv[VE];
+        load<T, VE>(v + e0, vv);
 #pragma unroll
-          for (int e = 0; e < VE; ++e) acc[e0 + e] = fmaf(wj, vv[e], acc[e0 + e]);
-        }
+        for (int e = 0; e < VE; ++e) acc[e0 + e] = j < count ? fmaf(wj, vv[e], acc[e0 + e]) : acc[e0 + e];
       }
     }
   }
@@ -139,9 +139,10 @@ __global__ void __launch_bounds__(32 * kDecodeWarps)
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] += __shfl_xor_sync(kFull, acc[e], offset);
   if (lane < L) {
-    T* o = out + item * D + lane * E;
+    float r[E];
 #pragma unroll
-    for (int e = 0; e < E; ++e) o[e] = from_f<T>(acc[e] / running_sum);
+    for (int e = 0; e < E; ++e) r[e] = acc[e] / running_sum;
+    store<T, E>(out + item * D + lane * E, r);
   }
 }
 
