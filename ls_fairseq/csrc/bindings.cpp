@@ -787,7 +787,7 @@ void beam_advance(const Tensor& values, const Tensor& indices, const Tensor& ste
 // length_on_device: a one-element int64 tensor holding the length (clamped to `length`), read by the kernel;
 // k, v (both or neither): the step's keys and values, laid out as q, written into the cache at position
 // length - 1 of slots 0..N-1 (and attended to); bias [3 x heads x d_head] (with k and v only): q, k and v
-// are the projection's output without it; the kernel adds it and scales q by `scaling`
+// are the projection's output without it, which the kernel adds; q is then scaled by `scaling`
 Tensor decode_attention(const Tensor& q, const Tensor& cache, int64_t layer, const Tensor& origin, int64_t length,
                         const std::optional<Tensor>& length_on_device, const std::optional<Tensor>& k,
                         const std::optional<Tensor>& v, const std::optional<Tensor>& bias, double scaling) {
@@ -852,9 +852,9 @@ Tensor decode_attention(const Tensor& q, const Tensor& cache, int64_t layer, con
 }
 
 // ---- beam_attention ----
-// q [B, heads, beams, d_head] (unit stride along d_head), k, v [B, heads, S, d_head] (unit stride along d_head,
-// 16-byte rows), key_padding_mask bool [B, S] (True = pad, unit stride along S) or None, bias [heads x d_head]
-// or None -> [B, heads, beams, d_head], a view of token-major [B, beams, heads, d_head] storage
+// q [B, heads, beams, d_head] (unit stride along d_head), k, v [B, heads, S, d_head] contiguous and 16-byte
+// aligned, key_padding_mask bool [B, S] (True = pad) contiguous or None, bias [heads x d_head] or None (then
+// q is only scaled) -> [B, heads, beams, d_head], a view of token-major [B, beams, heads, d_head] storage
 Tensor beam_attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& key_padding_mask,
                       const std::optional<Tensor>& bias, double scaling) {
   TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor, got one on ", q.device());

@@ -187,7 +187,7 @@ void beam_advance(const float* values, const int64_t* indices, const int64_t* st
 // not null, holds the length (at most `length`) in device memory; new_keys / new_values, if not null, are
 // the step's own keys and values (rows like q's, n * new_stride), written into the cache at position
 // length - 1 of slot n and attended to there; bias, if not null ([3, heads x head_dim], with the step's
-// keys and values only), is added to q, k and v first, and q is scaled by `scaling` (1 for a scaled q)
+// keys and values only), is added to q, k and v first; q is then scaled by `scaling` (1 for a scaled q)
 bool decode_attention_supports(int head_dim);
 void decode_attention(DType dt, const void* q, int64_t q_stride, const void* keys, const void* values,
                       int64_t position_stride, int64_t slot_stride, const int* origin, int64_t origin_stride,
@@ -199,8 +199,8 @@ void decode_attention(DType dt, const void* q, int64_t q_stride, const void* key
 // q + b * sentence + head * head + j * row (strides in elements; `row`: the beam, or for keys the key
 // position), against the sentence's keys and values [sentence, heads, length, head_dim] (kv strides; last
 // dimension contiguous, 16-byte rows), padding (uint8, nonzero = a padded key; row b at b * padding_stride)
-// or null; bias [heads x head_dim] or null added to q, then q scaled by `scaling`, rounded to T as the QKV
-// transform does -> out [sentences, beams, heads, head_dim], contiguous
+// or null; bias [heads x head_dim] or null added to q, then q scaled by `scaling` (with or without a bias),
+// rounded to T as the QKV transform does -> out [sentences, beams, heads, head_dim], contiguous
 struct BeamAttentionStrides {
   int64_t sentence, head, row;
 };

@@ -10,6 +10,9 @@ other operation through one fused op. Activations are batch-major [B, T, d].
   FFN:             LN? -> GEMM(fc1) with bias + ReLU in its epilogue (or then bias_act_dropout) -> GEMM(fc2)
                    -> bias_dropout_residual (-> LN: one op)
 
+A decoding step (forward_step) has no split_heads: its attention ops take the GEMM's output as it is
+and add the bias and scale the query themselves.
+
 In backward the residual's gradient is not added by autograd: the block's end hands it to
 the block's first op on x (post-LN: the first GEMM, which accumulates into it; pre-LN: the
 LayerNorm), see ops.residual.

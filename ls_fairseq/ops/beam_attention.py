@@ -11,7 +11,9 @@ beam_attention(q, k, v, mask=None, bias=None, scaling=1.0) -> [B, heads, beams, 
 The kernel (csrc/beam_attention.cu) gives a warp each (sentence, head) and up to four of its beams:
 each key and value row is read once for them, and it returns a view of token-major storage, which
 the out projection reads as merged heads. Where it does not apply (a d_head other than 32, 64, 128
-or 256, or a causal mask) the GPU runs ops.attention with the beams as the query rows. The reference
+or 256, keys and values not 16-byte aligned or none, a causal mask) the GPU runs ops.attention with
+the beams as the query rows. A sentence whose keys are all padding gets NaN from the kernel and
+zeros from ops.attention (fairseq's sources end in EOS, so generation never has one). The reference
 runs one attention call per beam, each computing a single query as incremental decoding of one
 hypothesis does (one query row per hypothesis, against keys and values repeated per hypothesis), so
 that the two agree bit for bit: a matrix product of several query rows at once may round
@@ -52,8 +54,11 @@ BEAM_ATTENTION_ROUTE = dispatch.Route(
 )
 
 
-def _kernel_fits(q, mask):
-    return q.shape[3] in HEAD_DIMS and q.stride(3) == 1 and (mask is None or not mask.causal)
+def _kernel_fits(q, k, v, mask):
+    """The kernel's cases: its d_head, a unit stride along it, keys (at least one) and values in
+    16-byte aligned storage (the binding's contiguous copies keep a view's offset), key padding only."""
+    return (q.shape[3] in HEAD_DIMS and q.stride(3) == 1 and k.shape[2] > 0 and k.data_ptr() % 16 == 0
+            and v.data_ptr() % 16 == 0 and (mask is None or not mask.causal))
 
 
 def beam_attention(q, k, v, mask=None, bias=None, scaling=1.0):
@@ -69,6 +74,6 @@ def beam_attention(q, k, v, mask=None, bias=None, scaling=1.0):
     run = BEAM_ATTENTION_ROUTE.pick(q)
     if run is beam_attention_reference:
         return run(q, k, v, mask, bias, scaling)
-    if not _kernel_fits(q, mask):
+    if not _kernel_fits(q, k, v, mask):
         return attention(scaled_query(q, bias, scaling), k, v, mask, 0.0, False, exact_row_term=True)
     return run(q, k, v, mask, None if bias is None else bias.contiguous(), scaling)

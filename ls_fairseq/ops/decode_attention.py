@@ -2,7 +2,8 @@
 
 decode_attention(q, cache, layer, origin, length, k=None, v=None, bias=None, scaling=1.0)
 -> [N, heads, 1, d_head]:
-- q [N, heads, 1, d_head], already scaled: the query of each of N hypotheses at this step;
+- q [N, heads, 1, d_head]: the query of each of N hypotheses at this step, already scaled unless
+  ``bias`` or ``scaling`` are given (below);
 - cache [capacity, 2 x layers, slots, heads, d_head]: at position p and slot s, the keys (2 x layer)
   and values (2 x layer + 1) that the hypothesis in slot s at step p wrote;
 - origin int32 [>= N, >= length]: hypothesis n's position p is in slot origin[n, p];
@@ -11,8 +12,8 @@ decode_attention(q, cache, layer, origin, length, k=None, v=None, bias=None, sca
 - k, v (both or neither), laid out as q: the step's own keys and values, first written into the
   cache at position length - 1 of slots 0..N-1 (where ``origin`` must then place them), so that
   the cache write is part of the kernel and not a launch of its own.
-- bias [3 x heads x d_head] (with k and v only) and ``scaling``: q, k and v are then the qkv
-  projection's output without its bias (views of one [N, 3 x heads x d_head] GEMM output): the op
+- bias [3 x heads x d_head] (with k and v only) and ``scaling`` (q is multiplied by it, with or
+  without a bias): q, k and v are then the qkv projection's output without its bias (views of one [N, 3 x heads x d_head] GEMM output): the op
   adds q's, k's and v's part of the bias and scales q, in fp32, each rounded to the dtype as
   ops.split_heads does, so the step needs no split_heads launch and gets the same values.
 Each hypothesis attends to its positions 0..length-1 through its own row of ``origin``.
