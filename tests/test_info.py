@@ -13,7 +13,7 @@ from ls_fairseq import info
 from ls_fairseq.ops import dispatch
 
 # dispatch.OPS, then the ops of ls_fairseq.ops without a kernel of their own
-EVERY_OP = list(dispatch.OPS) + ["beam_attention", "linear", "linear_bias_act", "residual"]
+EVERY_OP = list(dispatch.OPS) + ["linear", "linear_bias_act", "residual"]
 
 
 def op_lines(lines):
