@@ -692,9 +692,10 @@ def case_decode_attention(c):
         origin[:N, T - 1] = torch.arange(N, dtype=torch.int32, device=c.device)
         k, v = qkv[1].transpose(1, 2), qkv[2].transpose(1, 2)
         given = (k, v)
-        if step == "kv+bias":  # q, k, v the projection without its bias: the op adds it and scales q
+        if step == "kv+bias":  # the qkv projection's [N, 3 x d] rows without their bias, as the generator's
             bias = c.tensor((3 * H * D,), dtype)
-            raw_q, given = qkv[0].transpose(1, 2), (k, v, bias, D**-0.5)
+            raw_q, k, v = c.tensor((N, 1, 3 * H * D), dtype).view(N, 3, H, 1, D).unbind(1)
+            given = (k, v, bias, D**-0.5)
             q, k, v = add_bias(raw_q, k, v, bias, D**-0.5)  # what the op attends with and writes
         written = cache.clone()
         written[T - 1, 2 * layer, :N], written[T - 1, 2 * layer + 1, :N] = k[:, :, 0], v[:, :, 0]
@@ -711,8 +712,9 @@ def case_decode_attention(c):
 
 def case_beam_attention(c):
     """beam_attention as the generator calls it (the query projection's output as a view, its bias and
-    the scaling) over one sentence's keys and values for all its beams, left padding of random lengths
-    (at least one key); beams past one warp's four, sources past one chunk of 32 keys."""
+    the scaling) over one sentence's keys and values for all its beams; left padding of random
+    lengths, none, or a sentence of only padding; beams past one warp's four, sources past one chunk
+    of 32 keys."""
     dtype = c.dtype()
     D = c.pick("D", (32, 64, 128, 256))
     H = c.dim(16, (4, 8, 16))
@@ -723,15 +725,20 @@ def case_beam_attention(c):
     q = c.tensor((B, beams, H, D), dtype).transpose(1, 2)
     bias = c.tensor((H * D,), dtype)
     kv = c.tensor((2, B, H, S, D), dtype)
-    lengths = torch.tensor([c.rng.randint(1, S) for _ in range(B)], device=c.device)
+    padding = c.pick("padding", ("left", "left", "none", "left_with_empty"))
+    lengths = torch.tensor([S if padding == "none" else c.rng.randint(1, S) for _ in range(B)], device=c.device)
+    if padding == "left_with_empty":  # a sentence of only padding: zeros, as ops.attention gives
+        lengths[c.rng.randrange(B)] = 0
     pad = torch.arange(S, device=c.device)[None, :] < S - lengths[:, None]
-    mask = ops.AttentionMask(pad)
+    mask = None if padding == "none" else ops.AttentionMask(pad)
     fill_free_memory(c)
     out = beam_attention(q, kv[0], kv[1], mask, bias, D**-0.5)
     sq = scaled_query(q, bias, D**-0.5)
     ref64 = beam_attention_reference(sq.double(), kv[0].double(), kv[1].double(), mask)
+    # torch's attention in the same precision; its NaN rows (a sentence of only padding) are the zeros
+    # the op's contract gives there
     low = F.scaled_dot_product_attention(sq, kv[0], kv[1], attn_mask=~pad[:, None, None, :],
-                                         scale=1.0) if c.device != "cpu" else \
+                                         scale=1.0).nan_to_num(0.0) if c.device != "cpu" else \
         beam_attention_reference(sq, kv[0], kv[1], mask)
     c.kernel("out", out, ref64, low)
 

@@ -122,3 +122,42 @@ def test_other_head_dims_take_the_attention_op():
     out = beam_attention(q, k, v, mask, bias, 48**-0.5)
     ref = beam_attention_reference(q.float(), k.float(), v.float(), mask, bias.float(), 48**-0.5)
     torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kernel_adds_the_bias_as_split_heads_does(dtype):
+    """The generator's call (the query projection's output, its bias, the scaling) against the
+    split_heads kernel followed by the op on its output: equal bit for bit."""
+    B, H, beams, D, S = 9, 16, 4, 64, 23
+    q, bias, k, v, mask = inputs(B, H, beams, D, S, dtype, "cuda")
+    kernel("beam_attention", q)
+    kernel("qkv", q)
+    x = q.transpose(1, 2).reshape(B * beams, 1, H * D)
+    (sq,) = ops.split_heads(x, bias, H, 1, D**-0.5, token_major=True)
+    sq = sq.transpose(1, 2).reshape(B, beams, H, D).transpose(1, 2)
+    assert torch.equal(beam_attention(q, k, v, mask, bias, D**-0.5), beam_attention(sq, k, v, mask))
+
+
+@pytest.mark.gpu
+def test_kernel_without_a_mask_or_a_bias():
+    """No key padding mask (the kernel reads no padding) and a scaling without a bias: the fp64
+    formulation's values by the error rule."""
+    q, _, k, v, _ = inputs(5, 4, 4, 64, 37, torch.float16, "cuda", padded=False)
+    zero = torch.zeros(4 * 64, dtype=torch.float16, device="cuda")
+    out = beam_attention(q, k, v, None, None, 0.125)
+    ref64 = independent(q, zero, k, v, torch.zeros(5, 37, dtype=torch.bool), 0.125)
+    sq = scaled_query(q, None, 0.125)
+    check_kernel(out, ref64, torch.nn.functional.scaled_dot_product_attention(sq, k, v, scale=1.0), "no mask, no bias")
+
+
+@pytest.mark.gpu
+def test_a_sentence_of_only_padding_gets_zeros():
+    """A sentence whose keys are all padding: zeros, as ops.attention gives; the other sentences as
+    the reference."""
+    q, bias, k, v, mask = inputs(4, 2, 5, 64, 40, torch.float16, "cuda")
+    mask.key_padding_mask[2] = True
+    out = beam_attention(q, k, v, mask, bias, 0.125)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    ref = beam_attention_reference(q.float(), k.float(), v.float(), mask, bias.float(), 0.125)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)

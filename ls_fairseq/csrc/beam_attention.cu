@@ -90,8 +90,8 @@ __global__ void __launch_bounds__(32 * kWarps)
 #pragma unroll
     for (int j = 0; j < kBeams; ++j) {
       const float new_max = fmaxf(running_max[j], warp_max(s[j]));
-      // -inf everywhere (a chunk of padding, or inf/NaN in q or the keys): the sum stays 0 and a chunk of
-      // only -inf scores weighs 0, so later finite positions count; softmax's NaN where none is finite
+      // -inf everywhere (a chunk of padding, or -inf scores): the sum stays 0 and such a chunk weighs 0,
+      // so later finite positions count; a query with no finite score gets zeros, as ops.softmax gives
       const float rescale = running_max[j] == -INFINITY ? 0.f : expf(running_max[j] - new_max);
       w[j] = live && new_max != -INFINITY ? expf(s[j] - new_max) : 0.f;
       running_sum[j] = running_sum[j] * rescale + warp_sum(w[j]);
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(32 * kWarps)
       if (j >= queries) break;
       float r[E];
 #pragma unroll
-      for (int e = 0; e < E; ++e) r[e] = acc[j][e] / running_sum[j];
+      for (int e = 0; e < E; ++e) r[e] = running_sum[j] == 0.f ? 0.f : acc[j][e] / running_sum[j];
       store<T, E>(out + ((b * beams + first + j) * heads + head) * D + lane * E, r);  // E x T: one or two stores
     }
   }

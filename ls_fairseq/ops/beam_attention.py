@@ -12,8 +12,8 @@ The kernel (csrc/beam_attention.cu) gives a warp each (sentence, head) and up to
 each key and value row is read once for them, and it returns a view of token-major storage, which
 the out projection reads as merged heads. Where it does not apply (a d_head other than 32, 64, 128
 or 256, keys and values not 16-byte aligned or none, a causal mask) the GPU runs ops.attention with
-the beams as the query rows. A sentence whose keys are all padding gets NaN from the kernel and
-zeros from ops.attention (fairseq's sources end in EOS, so generation never has one). The reference
+the beams as the query rows. A sentence whose keys are all padding gets zeros, as from
+ops.attention (fairseq's sources end in EOS, so generation never has one). The reference
 runs one attention call per beam, each computing a single query as incremental decoding of one
 hypothesis does (one query row per hypothesis, against keys and values repeated per hypothesis), so
 that the two agree bit for bit: a matrix product of several query rows at once may round
