@@ -335,6 +335,50 @@ def bench_linear_bias_act(dtype):
                 fwd_bw_pct=None, kernels="{:.0f} / {:.0f}".format(st_k, ls_k))  # GEMMs: compute-bound
 
 
+def bench_fp8_cast(dtype, copy_bw):
+    """An activation [tokens, hidden] cast to e4m3 for an FP8 GEMM: torch ops with current scaling
+    (abs, amax, the scale, multiply, clamp, cast) against fp8_cast's one pass with the delayed scale."""
+    from ls_fairseq.ops.fp8_cast import fp8_cast
+
+    x = rand(TOKENS, HIDDEN, dtype=dtype)
+    state = torch.zeros(18, device="cuda")
+    state[0] = 4.0
+
+    def torch_ops(_):
+        s = 448.0 / x.abs().amax().float()
+        return (x.float() * s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), 1.0 / s
+
+    stock_ms, stock_k = kernel_ms(torch_ops, [None])
+    ls_ms, ls_k = kernel_ms(lambda _: fp8_cast(x, state), [None])
+    bytes_ = x.numel() * (x.element_size() + 1)
+    return dict(op="fp8_cast (activation, e4m3)", stock_fwd_ms=stock_ms, ls_fwd_ms=ls_ms, fwd_speedup=stock_ms / ls_ms,
+                fwd_bw_pct=100 * bytes_ / ls_ms / 1e6 / copy_bw, kernels="{:.0f} / {:.0f}".format(stock_k, ls_k))
+
+
+def bench_linear_fp8(dtype, name, n_in, n_out):
+    """One linear layer's forward and backward through ops.linear: in ``dtype`` against --ls-fp8's
+    forward and input gradient in FP8 (the casts of x, W and dy included; the weight gradient stays in
+    ``dtype``), weight gradients allocated as ls_adam has them."""
+    from ls_fairseq.ops.fp8_cast import Fp8Recipe
+    from ls_fairseq.ops.workspace import accumulate_in_place
+
+    x, dy = rand(TOKENS, n_in, dtype=dtype).requires_grad_(), rand(TOKENS, n_out, dtype=dtype)
+    recipe = Fp8Recipe(forward=["l"], dgrad=["l"])
+    gemm = recipe.gemm("l")
+    recipe.begin(x.device)
+    results = {}
+    for label, fp8 in (("stock", None), ("ls", gemm)):
+        w = (rand(n_out, n_in, dtype=dtype) * 0.05).requires_grad_()
+        w.grad = torch.zeros_like(w)
+        accumulate_in_place([w])
+        ops.linear(x, w, fp8=fp8).backward(dy)  # the calibrating pass
+        recipe.begin(x.device)
+        results[label] = kernel_ms(lambda _: ops.linear(x, w, fp8=fp8).backward(dy), [None])
+    (st_ms, st_k), (ls_ms, ls_k) = results["stock"], results["ls"]
+    return dict(op="linear {} {} vs FP8 fwd+dgrad (fwd+bwd)".format(name, str(dtype)[6:]), stock_fwd_ms=st_ms,
+                ls_fwd_ms=ls_ms, fwd_speedup=st_ms / ls_ms, fwd_bw_pct=None, kernels="{:.0f} / {:.0f}".format(st_k, ls_k))
+
+
 def bench_decode_attention(dtype, copy_bw, hypotheses=512, length=100, layers=6):
     """One decoding step's self-attention of one layer in a transformer-big beam search (128 sentences x
     beam 4, the step at position ``length``): fairseq's way, the reorder of the layer's keys and values
@@ -486,6 +530,9 @@ def main():
     torch.cuda.empty_cache()
     results.append(bench_linear(dtype))
     results.append(bench_linear_bias_act(dtype))
+    results.append(bench_fp8_cast(dtype, copy_bw))
+    results.append(bench_linear_fp8(dtype, "qkv", HIDDEN, 3 * HIDDEN))
+    results.append(bench_linear_fp8(dtype, "fc2", FFN, HIDDEN))
     results.append(bench_adam(dtype, copy_bw))
     results.append(bench_grad_norm(dtype, copy_bw))
     results.append(bench_decode_attention(dtype, copy_bw))

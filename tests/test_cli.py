@@ -17,6 +17,7 @@ TRAIN = [
     "--max-tokens", "1024", "--cpu", "--num-workers", "0", "--no-progress-bar", "--log-interval", "5",
     "--seed", "3",
 ]
+ALL_FP8 = "qkv,out,q,kv,fc1,fc2,vocab"
 # the same on GPUs: one (fairseq-train takes every visible GPU unless told), or two where a test says so
 GPU = [a for a in TRAIN if a != "--cpu"]
 ONE_GPU = GPU + ["--distributed-world-size", "1"]
@@ -186,15 +187,18 @@ def test_cuda_graphs_without_a_gpu_fail_clearly(data_bin, tmp_path):
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_replay_the_eager_steps_bit_for_bit(data_bin, tmp_path):
+@pytest.mark.parametrize("fp8", [[], ["--ls-fp8", "--ls-fp8-forward", ALL_FP8, "--ls-fp8-dgrad", ALL_FP8]],
+                         ids=["fp16", "fp8"])
+def test_cuda_graphs_replay_the_eager_steps_bit_for_bit(data_bin, tmp_path, fp8):
     """--ls-cuda-graphs with --ls-deterministic and dropout on: 30 updates, most of them replayed from
     captured graphs (batches of 32 sentences padded to multiples of 32 tokens share a few shapes),
-    end with the same bits in every parameter as 30 eager updates."""
+    end with the same bits in every parameter as 30 eager updates; with every GEMM's FP8 too (the
+    scaling state is updated on the device, inside the graphs)."""
     import sys
 
-    gpu = ONE_GPU + ["--fp16", "--ls-deterministic", "--attention-dropout", "0.1", "--disable-validation",
-                     "--no-epoch-checkpoints", "--max-update", "30", "--max-tokens", "4096", "--batch-size", "32",
-                     "--required-seq-len-multiple", "32"]
+    gpu = ONE_GPU + fp8 + ["--fp16", "--ls-deterministic", "--attention-dropout", "0.1", "--disable-validation",
+                           "--no-epoch-checkpoints", "--max-update", "30", "--max-tokens", "4096", "--batch-size",
+                           "32", "--required-seq-len-multiple", "32"]
     cmd = [sys.executable, "-m", "ls_fairseq.train", str(data_bin / "data-bin")]
     logs = {}
     for name, extra in (("eager", []), ("graphs", ["--ls-cuda-graphs"])):
@@ -205,6 +209,22 @@ def test_cuda_graphs_replay_the_eager_steps_bit_for_bit(data_bin, tmp_path):
     a, b = (torch.load(tmp_path / name / "checkpoint_last.pt", weights_only=True) for name in ("eager", "graphs"))
     differ = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
     assert not differ, "parameters differ between eager and replayed steps: {}".format(differ)
+
+
+def test_fp8_gemms_train_and_resume(data_bin, tmp_path):
+    """--ls-fp8 with every GEMM's forward and input gradient in FP8 (on the CPU, the reference's math):
+    the loss falls, and a resume (whose first pass calibrates again) continues the update count."""
+    fp8 = ["--ls-fp8", "--ls-fp8-forward", ALL_FP8, "--ls-fp8-dgrad", ALL_FP8, "--bf16",
+           "--required-batch-size-multiple", "8", "--required-seq-len-multiple", "8"]
+    cmd = [bin_path("ls-fairseq-train"), str(data_bin / "data-bin"), "--save-dir", str(tmp_path)]
+    logs = []
+    for stop in (16, 24):
+        proc = run(cmd + TRAIN + fp8 + ["--max-update", str(stop), "--disable-validation"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        logs.append(proc.stdout + proc.stderr)
+    losses = [float(x) for x in re.findall(r"\bloss[ =]([\d.]+)", logs[0])]
+    assert len(losses) >= 3 and losses[-1] < losses[0], losses
+    assert updates(logs[1])[-1] == 24 and min(updates(logs[1])) > 16
 
 
 @pytest.mark.gpu

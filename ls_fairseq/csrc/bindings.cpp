@@ -734,6 +734,33 @@ Tensor beam_scores(const Tensor& logits, const Tensor& cum, const std::optional<
   return out;
 }
 
+// ---- fp8_cast ----
+// x [rows, cols] contiguous, state fp32 [history + 2] contiguous on x's device (updated in place) ->
+// [q [rows, cols] or empty, qT [cols, rows] or empty], float8_e4m3fn (float8_e5m2 with e5m2)
+std::vector<Tensor> fp8_cast(const Tensor& x, const Tensor& state, bool e5m2, bool rowwise, bool transposed) {
+  check(x, "x");
+  TORCH_CHECK(x.dim() == 2, "fp8_cast: x must be [rows, cols], got ", x.sizes());
+  check(state, "state");
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.dim() == 1 && state.numel() >= 3 &&
+                  state.device() == x.device(),
+              "fp8_cast: state must be fp32 [history + 2] (history >= 1) on ", x.device(), ", got ",
+              state.scalar_type(), " ", state.sizes(), " on ", state.device());
+  TORCH_CHECK(rowwise || transposed, "fp8_cast: asked for neither layout (rowwise, transposed)");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto fp8 = x.options().dtype(e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
+  auto q = torch::empty({rowwise ? rows : 0, rowwise ? cols : 0}, fp8);
+  auto qT = torch::empty({transposed ? cols : 0, transposed ? rows : 0}, fp8);
+  if (x.numel() > 0) {
+    ls::fp8_cast(dtype_of(x, "x"), x.data_ptr(), rows, cols, reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+                 state.data_ptr<float>(), int(state.numel() - 2), e5m2,
+                 rowwise ? static_cast<uint8_t*>(q.data_ptr()) : nullptr,
+                 transposed ? static_cast<uint8_t*>(qT.data_ptr()) : nullptr, stream());
+    CHECK_CUDA_OK();
+  }
+  return {q, qT};
+}
+
 // ---- beam_advance ----
 // values fp32 [B, 2k], indices int64 [B, 2k], step int64 [1], the state (ops/beam_advance.py's shapes), all
 // contiguous on one device; updated in place
@@ -1033,6 +1060,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("beam_advance", &beam_advance);
   m.def("decode_attention", &decode_attention);
   m.def("beam_attention", &beam_attention);
+  m.def("fp8_cast", &fp8_cast);
   m.def("adam_step", &adam_step);
   m.def("grad_norm", &grad_norm);
   m.def("scaled_grad_norm", &scaled_grad_norm);

@@ -210,6 +210,13 @@ void beam_attention(DType dt, const void* q, BeamAttentionStrides q_strides, con
                     float scaling, int sentences, int heads, int beams, int head_dim, int length, void* out,
                     cudaStream_t stream);
 
+// fp8_cast.cu: x [rows, cols] (contiguous) times the scale that its amax history gives, rounded to FP8
+// (e4m3, or e5m2 with e5m2) into q [rows, cols] and/or qT [cols, rows] (either may be null, not both);
+// state [history + 2] fp32: the amax history, this step's amax (raised to x's finite amax) and the
+// inverse scale (written). vec: x is 16-byte aligned.
+void fp8_cast(DType dt, const void* x, int64_t rows, int64_t cols, bool vec, float* state, int history, bool e5m2,
+              uint8_t* q, uint8_t* qT, cudaStream_t stream);
+
 // adam.cu
 constexpr int kNormBlocks = 512;  // partial: kNormBlocks floats
 // The loss-scale and clipping decision grad_norm can take on the device once the

@@ -63,8 +63,11 @@ class CrossAttention(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, embed_dim, ffn_dim, num_heads, normalize_before, cfg):
+    def __init__(self, embed_dim, ffn_dim, num_heads, normalize_before, cfg, fp8, gemms):
+        """``fp8``: the model's ops.Fp8Recipe (--ls-fp8) or None; ``gemms``: this layer's linear layers,
+        each with the recipe's name for it."""
         super().__init__()
+        self.fp8 = {key: fp8.gemm(name) for key, name in gemms.items()} if fp8 is not None else {}
         self.normalize_before = normalize_before
         self.dropout = cfg.dropout
         self.attention_dropout = cfg.attention_dropout
@@ -76,6 +79,10 @@ class _Layer(nn.Module):
         self.fc1 = nn.Linear(embed_dim, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, embed_dim)
         self.final_layer_norm = nn.LayerNorm(embed_dim)
+
+    def _fp8(self, name):
+        """The Fp8Gemm of linear layer ``name`` in training, else None (evaluation stays in the run's dtype)."""
+        return self.fp8.get(name) if self.training else None
 
     def _block_output(self, out, bias, x, ln, residual):
         """The block's end: x + dropout(out + bias), then LN post-LN (one op)."""
@@ -96,32 +103,38 @@ class _Layer(nn.Module):
     def _self_attention(self, x, mask, cache=None):
         attn = self.self_attn
         h, residual, gemm_residual = self._block_input(x, self.self_attn_layer_norm)
-        q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight, residual_grad=gemm_residual), attn.qkv_proj.bias,
-                                  attn.num_heads, 3, attn.scaling, token_major=True)
+        q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight, residual_grad=gemm_residual, fp8=self._fp8("qkv")),
+                                  attn.qkv_proj.bias, attn.num_heads, 3, attn.scaling, token_major=True)
         if cache is not None:
             if "k" in cache:
                 k = torch.cat([cache["k"], k], dim=2)
                 v = torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
         ctx = ops.attention(q, k, v, mask, self.attention_dropout, self.training, self.deterministic)
-        out = ops.linear(ctx, attn.out_proj.weight, heads=True)
+        out = ops.linear(ctx, attn.out_proj.weight, heads=True, fp8=self._fp8("out"))
         return self._block_output(out, attn.out_proj.bias, x, self.self_attn_layer_norm, residual)
 
     def _ffn(self, x):
         h, residual, gemm_residual = self._block_input(x, self.final_layer_norm)
         h = ops.linear_bias_act(h, self.fc1.weight, self.fc1.bias, self.activation_fn, self.activation_dropout,
-                                self.training, residual_grad=gemm_residual)
-        return self._block_output(ops.linear(h, self.fc2.weight), self.fc2.bias, x, self.final_layer_norm, residual)
+                                self.training, residual_grad=gemm_residual, fp8=self._fp8("fc1"))
+        return self._block_output(ops.linear(h, self.fc2.weight, fp8=self._fp8("fc2")), self.fc2.bias, x,
+                                  self.final_layer_norm, residual)
+
+
+_LAYER_GEMMS = {"qkv": "qkv", "out": "out", "fc1": "fc1", "fc2": "fc2"}
 
 
 class EncoderLayer(_Layer):
-    def __init__(self, cfg):
+    def __init__(self, cfg, fp8=None):
         super().__init__(
             cfg.encoder_embed_dim,
             cfg.encoder_ffn_embed_dim,
             cfg.encoder_attention_heads,
             cfg.encoder_normalize_before,
             cfg,
+            fp8,
+            _LAYER_GEMMS,
         )
 
     def forward(self, x, mask):
@@ -130,13 +143,15 @@ class EncoderLayer(_Layer):
 
 
 class DecoderLayer(_Layer):
-    def __init__(self, cfg):
+    def __init__(self, cfg, fp8=None):
         super().__init__(
             cfg.decoder_embed_dim,
             cfg.decoder_ffn_embed_dim,
             cfg.decoder_attention_heads,
             cfg.decoder_normalize_before,
             cfg,
+            fp8,
+            dict(_LAYER_GEMMS, q="q", cross_out="out"),
         )
         self.encoder_attn = CrossAttention(cfg.decoder_embed_dim, cfg.decoder_attention_heads)
         self.encoder_attn_layer_norm = nn.LayerNorm(cfg.decoder_embed_dim)
@@ -147,11 +162,11 @@ class DecoderLayer(_Layer):
         x = self._self_attention(x, self_mask, cache=cache)
         attn = self.encoder_attn
         h, residual, gemm_residual = self._block_input(x, self.encoder_attn_layer_norm)
-        (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight, residual_grad=gemm_residual), attn.q_proj.bias,
-                               attn.num_heads, 1, attn.scaling)
+        (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight, residual_grad=gemm_residual, fp8=self._fp8("q")),
+                               attn.q_proj.bias, attn.num_heads, 1, attn.scaling)
         ctx = ops.attention(q, enc_k, enc_v, enc_mask, self.attention_dropout, self.training, self.deterministic,
                             exact_row_term=True)
-        out = ops.linear(ctx, attn.out_proj.weight, heads=True)
+        out = ops.linear(ctx, attn.out_proj.weight, heads=True, fp8=self._fp8("cross_out"))
         x = self._block_output(out, attn.out_proj.bias, x, self.encoder_attn_layer_norm, residual)
         return self._ffn(x)
 

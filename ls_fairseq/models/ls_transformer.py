@@ -35,6 +35,23 @@ from ls_fairseq.models.layers import DecoderLayer, EncoderLayer
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_POSITIONS = 1024
+FP8_GEMMS = ("qkv", "out", "q", "kv", "fc1", "fc2", "vocab")
+
+
+def fp8_recipe(args):
+    """The model's Fp8Recipe for --ls-fp8 (None without it), after checking the GEMM names."""
+    if not getattr(args, "ls_fp8", False):
+        return None
+    chosen = {}
+    for flag in ("ls_fp8_forward", "ls_fp8_dgrad"):
+        names = [n.strip() for n in str(getattr(args, flag)).split(",") if n.strip()]
+        unknown = sorted(set(names) - set(FP8_GEMMS))
+        if unknown:
+            raise ValueError("--{} names unknown GEMM(s) {}; known: {}".format(
+                flag.replace("_", "-"), unknown, ",".join(FP8_GEMMS)))
+        chosen[flag] = names
+    return ops.Fp8Recipe(args.ls_fp8_history, args.ls_fp8_grad_format == "e5m2",
+                         chosen["ls_fp8_forward"], chosen["ls_fp8_dgrad"])
 
 
 @dataclass
@@ -92,6 +109,33 @@ class LSTransformerConfig(FairseqDataclass):
             "pair with --required-seq-len-multiple 8 or more so that batches share shapes"
         },
     )
+    ls_fp8: bool = field(
+        default=False,
+        metadata={
+            "help": "training GEMMs on FP8 tensor cores (sm_89 and later; on the CPU the same math in fp32): "
+            "the operands cast to FP8 with delayed per-tensor scales, fp32 accumulation, the rest of the step "
+            "in the run's dtype; which GEMMs by --ls-fp8-forward and --ls-fp8-dgrad; validation and "
+            "translation stay in the run's dtype"
+        },
+    )
+    ls_fp8_forward: str = field(
+        default="qkv,kv,vocab",
+        metadata={
+            "help": "with --ls-fp8, the linear layers whose forward GEMM (x W^T) runs in FP8, comma-separated "
+            "of " + ",".join(FP8_GEMMS) + " (out: both attention output projections; q: the cross-attention's "
+            "query; kv: the encoder output's keys and values; vocab: the output projection)"
+        },
+    )
+    ls_fp8_dgrad: str = field(
+        default="fc2",
+        metadata={"help": "with --ls-fp8, the linear layers whose input-gradient GEMM (dY W) runs in FP8 (same names)"},
+    )
+    ls_fp8_history: int = field(
+        default=16, metadata={"help": "with --ls-fp8, the steps of amax history that each tensor's scale is taken from"}
+    )
+    ls_fp8_grad_format: ChoiceEnum(["e5m2", "e4m3"]) = field(
+        default="e5m2", metadata={"help": "with --ls-fp8, the FP8 format of output gradients"}
+    )
 
 
 def _embedding(num_embeddings, embedding_dim, padding_idx):
@@ -129,12 +173,13 @@ class _EmbeddingMixin:
 
 
 class LSTransformerEncoder(_EmbeddingMixin, FairseqEncoder):
-    def __init__(self, cfg, dictionary, embed_tokens):
+    def __init__(self, cfg, dictionary, embed_tokens, fp8=None):
+        """``fp8``: the model's ops.Fp8Recipe (--ls-fp8), or None."""
         super().__init__(dictionary)
         self._init_embedding(
             embed_tokens, cfg.max_source_positions, cfg.encoder_learned_pos, cfg.no_scale_embedding, cfg.dropout
         )
-        self.layers = nn.ModuleList([EncoderLayer(cfg) for _ in range(cfg.encoder_layers)])
+        self.layers = nn.ModuleList([EncoderLayer(cfg, fp8) for _ in range(cfg.encoder_layers)])
         self.layer_norm = nn.LayerNorm(cfg.encoder_embed_dim) if cfg.encoder_normalize_before else None
 
     def forward(self, src_tokens, src_lengths=None, return_all_hiddens=False, token_embeddings=None):
@@ -171,9 +216,10 @@ class LSTransformerEncoder(_EmbeddingMixin, FairseqEncoder):
         }
 
 class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
-    def __init__(self, cfg, dictionary, embed_tokens, right_padded_targets=False):
+    def __init__(self, cfg, dictionary, embed_tokens, right_padded_targets=False, fp8=None):
         """``right_padded_targets``: the task pads target rows at the end (fairseq's translation
-        default); the causal self-attention then needs no padding mask (see ops.AttentionMask)."""
+        default); the causal self-attention then needs no padding mask (see ops.AttentionMask).
+        ``fp8``: the model's ops.Fp8Recipe (--ls-fp8), or None."""
         super().__init__(dictionary)
         self.right_padded_targets = right_padded_targets
         dim = cfg.decoder_embed_dim
@@ -181,7 +227,8 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
             embed_tokens, cfg.max_target_positions, cfg.decoder_learned_pos, cfg.no_scale_embedding, cfg.dropout
         )
         self.num_heads = cfg.decoder_attention_heads
-        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.decoder_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, fp8) for _ in range(cfg.decoder_layers)])
+        self.fp8 = {name: fp8.gemm(name) for name in ("kv", "vocab")} if fp8 is not None else {}
         # keys and values of the encoder output for all layers: one GEMM (LightSeq2)
         self.encoder_attn_kv_proj = nn.Linear(cfg.encoder_embed_dim, 2 * len(self.layers) * dim)
         for start in range(0, self.encoder_attn_kv_proj.weight.shape[0], dim):
@@ -202,7 +249,8 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
         (a fill, a copy and an add of 2L x tokens x d per layer)."""
         enc = encoder_out["encoder_out"][0]
         return ops.split_heads(
-            ops.linear(enc, self.encoder_attn_kv_proj.weight), self.encoder_attn_kv_proj.bias,
+            ops.linear(enc, self.encoder_attn_kv_proj.weight, fp8=self.fp8.get("kv") if self.training else None),
+            self.encoder_attn_kv_proj.bias,
             self.num_heads, 2 * len(self.layers),
         )
 
@@ -251,7 +299,8 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
         return x, {"attn": [None], "inner_states": inner_states}
 
     def output_layer(self, features):
-        return ops.linear(features, self.output_projection.weight)
+        return ops.linear(features, self.output_projection.weight,
+                          fp8=self.fp8.get("vocab") if self.training else None)
 
     def reorder_incremental_state(self, incremental_state, new_order):
         cache = self.get_incremental_state(incremental_state, "cache")
@@ -312,11 +361,19 @@ class LSTransformerModel(FairseqEncoderDecoderModel):
             decoder_embed = encoder_embed
         else:
             decoder_embed = _embedding(len(tgt_dict), args.decoder_embed_dim, tgt_dict.pad())
-        encoder = LSTransformerEncoder(args, src_dict, encoder_embed)
+        fp8 = fp8_recipe(args)
+        encoder = LSTransformerEncoder(args, src_dict, encoder_embed, fp8)
         # fairseq's translation task pads targets at the end unless --left-pad-target
         right_padded = getattr(getattr(task, "cfg", None), "left_pad_target", None) is False
-        decoder = LSTransformerDecoder(args, tgt_dict, decoder_embed, right_padded_targets=right_padded)
-        return cls(encoder, decoder)
+        decoder = LSTransformerDecoder(args, tgt_dict, decoder_embed, right_padded_targets=right_padded, fp8=fp8)
+        model = cls(encoder, decoder)
+        model.fp8 = fp8
+        return model
+
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, **kwargs):
+        if self.training and getattr(self, "fp8", None) is not None:
+            self.fp8.begin(src_tokens.device)
+        return super().forward(src_tokens, src_lengths, prev_output_tokens, **kwargs)
 
     def max_positions(self):
         return (self.encoder.max_positions(), self.decoder.max_positions())
@@ -364,6 +421,11 @@ def base_architecture(args):
     args.max_target_positions = getattr(args, "max_target_positions", None) or DEFAULT_MAX_POSITIONS
     args.ls_deterministic = getattr(args, "ls_deterministic", False)
     args.ls_cuda_graphs = getattr(args, "ls_cuda_graphs", False)
+    args.ls_fp8 = getattr(args, "ls_fp8", False)
+    args.ls_fp8_forward = getattr(args, "ls_fp8_forward", "qkv,kv,vocab")
+    args.ls_fp8_dgrad = getattr(args, "ls_fp8_dgrad", "fc2")
+    args.ls_fp8_history = getattr(args, "ls_fp8_history", 16)
+    args.ls_fp8_grad_format = getattr(args, "ls_fp8_grad_format", "e5m2")
 
 
 @register_model_architecture("ls_transformer", "ls_transformer_tiny")

@@ -8,6 +8,7 @@ from ls_fairseq.ops.bias_dropout_residual import bias_dropout_residual
 from ls_fairseq.ops.bias_dropout_residual_layer_norm import bias_dropout_residual_layer_norm
 from ls_fairseq.ops.cross_entropy import label_smoothed_cross_entropy
 from ls_fairseq.ops.embedding import embedding, make_positions
+from ls_fairseq.ops.fp8_cast import Fp8Recipe
 from ls_fairseq.ops.layer_norm import layer_norm
 from ls_fairseq.ops.linear import linear
 from ls_fairseq.ops.linear_bias_act import linear_bias_act
@@ -17,6 +18,7 @@ from ls_fairseq.ops.softmax import softmax
 
 __all__ = [
     "AttentionMask",
+    "Fp8Recipe",
     "ResidualGrad",
     "adam_step",
     "attention",

@@ -44,6 +44,7 @@ OPS = (
     "beam_advance",
     "decode_attention",
     "beam_attention",
+    "fp8_cast",
 )
 
 

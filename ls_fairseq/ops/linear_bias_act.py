@@ -8,7 +8,8 @@ ffn elements) is not made, and the sum is rounded once. Backward as ops.bias_act
 its output (dh = dout [out > 0], the bias's gradient the sum of dh, by that op's route) and then
 ops.linear's (dX = dh W plus the residual's gradient, dW added in place where ls_adam holds W).
 Saved for backward: x and out, which ops.linear would keep for this GEMM and the next anyway.
-Other activations, or dropout after the activation: ops.bias_act_dropout after ops.linear.
+Other activations, dropout after the activation, or an FP8 GEMM (``fp8``, as ops.linear's: torch's FP8
+GEMM has no ReLU epilogue): ops.bias_act_dropout after ops.linear.
 """
 import torch
 
@@ -43,10 +44,10 @@ class LinearBiasReluFunction(torch.autograd.Function):
         return dx, dw, workspace.for_autograd(dbias, into), None
 
 
-def linear_bias_act(x, weight, bias, activation="relu", p=0.0, training=True, residual_grad=None):
-    """dropout(act(x [..., in] @ weight [out, in]^T + bias)); ``residual_grad`` as ops.linear's."""
-    if activation != "relu" or (p > 0 and training):
-        return bias_act_dropout(linear(x, weight, residual_grad=residual_grad), bias, activation, p, training)
+def linear_bias_act(x, weight, bias, activation="relu", p=0.0, training=True, residual_grad=None, fp8=None):
+    """dropout(act(x [..., in] @ weight [out, in]^T + bias)); ``residual_grad`` and ``fp8`` as ops.linear's."""
+    if activation != "relu" or (p > 0 and training) or (fp8 is not None and fp8.active):
+        return bias_act_dropout(linear(x, weight, residual_grad=residual_grad, fp8=fp8), bias, activation, p, training)
     if x.shape[-1] != weight.shape[1] or bias.shape != weight.shape[:1]:
         raise ValueError("linear_bias_act: input {}, weight {} and bias {} do not fit: [..., in], [out, in], "
                          "[out]".format(tuple(x.shape), tuple(weight.shape), tuple(bias.shape)))

@@ -58,6 +58,12 @@ SYSTEMS = {
     # no length padding: ~10% fewer FLOPs than multiples of 8 at 16,384 tokens (scripts/padding_cost.py),
     # and a graph for nearly every batch's shape in the first epoch
     "ls-fp16-graphs1": LS + (["--fp16", "--ls-cuda-graphs"], "ls_fairseq.train"),
+    # FP8 GEMMs (--ls-fp8, its default choice of GEMMs); MFU stays against the dense bf16 peak (half of it
+    # against the FP8 peak)
+    "ls-bf16-fp8-graphs": LS + (["--bf16", "--ls-fp8", "--ls-cuda-graphs", "--required-seq-len-multiple", "8"],
+                                "ls_fairseq.train"),
+    "ls-fp16-fp8-graphs": LS + (["--fp16", "--ls-fp8", "--ls-cuda-graphs", "--required-seq-len-multiple", "8"],
+                                "ls_fairseq.train"),
     "ls-bf16": LS + (["--memory-efficient-bf16"], "ls_fairseq.train"),
     "ls-bf16-master": LS + (["--bf16"], "ls_fairseq.train"),
     # the plugin under plain fairseq-train --user-dir: fairseq's FP16Optimizer and host-side checks

@@ -1,0 +1,167 @@
+"""FP8 GEMM operands with delayed scaling: the cast, the scaled GEMM, and the scaling state.
+
+fp8_cast(x [rows, cols], state, e5m2=False, rowwise=True, transposed=False) -> (q, qT)
+  q = x s rounded to float8_e4m3fn (float8_e5m2 with ``e5m2``: gradients), [rows, cols] when
+  ``rowwise``, and/or its transpose qT [cols, rows] when ``transposed`` (the other an empty tensor).
+  Finite values saturate at the format's largest (448 / 57344); inf and NaN stay non-finite, so that
+  an fp16 run's overflow check still sees them. ``state`` is the tensor's row of an Fp8Recipe, fp32
+  [history + 2]: s = largest / max(history) (at most FLT_MAX; 1 while the history is all zero). The
+  call raises state[history] to x's amax over its finite values and writes 1 / s to
+  state[history + 1]: the scale a GEMM dequantises the result with.
+
+fp8_mm(a, a_state, b, b_state, out_dtype) -> a @ b in out_dtype: a [M, K] row-major and b [K, N]
+  column-major FP8 (b = w.t() for a row-major w [N, K]), times both inverse scales, fp32 accumulation.
+  On the GPU ``torch._scaled_mm`` (cuBLASLt; FP8 tensor cores, sm_89 and later); the reference
+  dequantises and multiplies in fp32.
+
+Delayed scaling: a tensor's scale comes from the amaxes of the steps before, so the kernel that
+casts needs no second pass over x (current scaling reads x once for its amax, once to cast), and a
+CUDA graph replays it: the scale is never on the host. Fp8Recipe.begin, at each training forward,
+moves every tensor's step amax into its history. The first forward pass of a run (and of a resume:
+the state is not saved) finds no history: the layers then run their GEMMs in the run's dtype and
+only record amaxes (``calibrating``).
+"""
+import torch
+
+from ls_fairseq.ops import dispatch
+from ls_fairseq.ops.dispatch import _C
+
+LARGEST = {False: 448.0, True: 57344.0}  # float8_e4m3fn, float8_e5m2
+FP8_DTYPE = {False: torch.float8_e4m3fn, True: torch.float8_e5m2}
+
+
+def _scale(state, e5m2):
+    m = state[:-2].max()
+    s = torch.clamp(torch.tensor(LARGEST[e5m2], device=state.device) / m, max=torch.finfo(torch.float32).max)
+    return torch.where(m > 0, s, torch.ones_like(s))
+
+
+def finite_amax(x):
+    """max |x| over x's finite elements in fp32 (0 for none)."""
+    xf = x.float()
+    return torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf)).amax() if x.numel() else xf.new_zeros(())
+
+
+def fp8_cast_reference(x, state, e5m2=False, rowwise=True, transposed=False):
+    s = _scale(state, e5m2)
+    xf = x.float()
+    y = xf * s
+    largest = LARGEST[e5m2]
+    # e4m3 has no inf: a non-finite x becomes NaN (torch's cast would saturate inf)
+    q = torch.where(torch.isfinite(xf), y.clamp(-largest, largest), y if e5m2 else y.new_tensor(float("nan")))
+    q = q.to(FP8_DTYPE[e5m2])
+    state[-2] = torch.maximum(state[-2], finite_amax(x))
+    state[-1] = 1.0 / s
+    empty = q.new_empty((0, 0))
+    return (q if rowwise else empty), (q.t().contiguous() if transposed else empty)
+
+
+def fp8_mm_reference(a, a_state, b, b_state, out_dtype):
+    product = a.float() @ b.float()
+    return (product * (a_state[-1] * b_state[-1])).to(out_dtype)
+
+
+def _fp8_mm_kernel(a, a_state, b, b_state, out_dtype):
+    if torch.cuda.get_device_capability(a.device) < (8, 9):
+        raise RuntimeError("ls_fairseq FP8 GEMMs need FP8 tensor cores (sm_89 or later); {} is sm_{}{}".format(
+            torch.cuda.get_device_name(a.device), *torch.cuda.get_device_capability(a.device)))
+    return torch._scaled_mm(a, b, scale_a=a_state[-1:], scale_b=b_state[-1:], out_dtype=out_dtype)
+
+
+FP8_CAST_ROUTE = dispatch.Route(
+    "fp8_cast",
+    kernel=(_C.fp8_cast, _fp8_mm_kernel) if _C else None,
+    reference=(fp8_cast_reference, fp8_mm_reference),
+)
+
+
+def fp8_cast(x, state, e5m2=False, rowwise=True, transposed=False):
+    """See the module docstring."""
+    if x.dim() != 2:
+        raise ValueError("fp8_cast: x must be [rows, cols], got {}".format(tuple(x.shape)))
+    if state.dtype != torch.float32 or state.dim() != 1 or state.numel() < 3 or state.device != x.device:
+        raise ValueError("fp8_cast: state must be float32 [history + 2] on {}, got {} {} on {}".format(
+            x.device, state.dtype, tuple(state.shape), state.device))
+    if not (rowwise or transposed):
+        raise ValueError("fp8_cast: asked for neither layout (rowwise, transposed)")
+    cast, _ = FP8_CAST_ROUTE.pick(x)
+    return cast(x.contiguous(), state, bool(e5m2), bool(rowwise), bool(transposed))
+
+
+def fp8_mm(a, a_state, b, b_state, out_dtype):
+    """See the module docstring."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or a.stride(1) != 1 or b.stride(0) != 1:
+        raise ValueError("fp8_mm: a {} must be row-major [M, K] and b {} column-major [K, N]".format(
+            tuple(a.shape), tuple(b.shape)))
+    _, mm = FP8_CAST_ROUTE.pick(a)
+    return mm(a, a_state, b, b_state, out_dtype)
+
+
+def fp8_fits(*sizes):
+    """True when every size is a multiple of 16, as the FP8 GEMM (cuBLASLt) needs of M, K and N. The rule
+    holds on every device, so that the reference takes the same path as the GPU."""
+    return all(n % 16 == 0 and n > 0 for n in sizes)
+
+
+class Fp8Recipe:
+    """The delayed-scaling state of a model's FP8 tensors: one fp32 row [history, step amax, inverse
+    scale] a tensor, reserved at construction (``reserve``) and allocated on the device of the first
+    training forward (never saved: a resumed run calibrates again). ``begin`` at each training forward
+    moves each tensor's step amax into its history, newest first (a tensor that recorded nothing
+    since keeps its history); every update is in place, so CUDA graphs capture it."""
+
+    def __init__(self, history=16, grad_e5m2=True, forward=(), dgrad=()):
+        if history < 1:
+            raise ValueError("Fp8Recipe: the amax history needs at least one step, got {}".format(history))
+        self.history, self.grad_e5m2 = history, grad_e5m2
+        self.forward, self.dgrad = frozenset(forward), frozenset(dgrad)
+        self.rows, self.state, self.passes = 0, None, 0
+
+    def gemm(self, name):
+        """A new Fp8Gemm for the linear layer ``name`` of the model (its rows reserved), or None when
+        neither of its GEMMs is chosen (``forward``, ``dgrad``: the chosen names)."""
+        if name not in self.forward and name not in self.dgrad:
+            return None
+        return Fp8Gemm(self, name in self.forward, name in self.dgrad)
+
+    def reserve(self, n):
+        """The first of ``n`` new rows."""
+        first, self.rows = self.rows, self.rows + n
+        return first
+
+    def begin(self, device):
+        """A training forward starts on ``device``."""
+        if self.state is None or self.state.device != device:
+            self.state, self.passes = torch.zeros(self.rows, self.history + 2, device=device), 0
+        elif self.passes > 0:
+            H = self.history
+            amax = self.state[:, H]
+            shifted = torch.cat([amax[:, None], self.state[:, : H - 1]], dim=1)
+            self.state[:, :H].copy_(torch.where((amax > 0)[:, None], shifted, self.state[:, :H]))
+            self.state[:, H].zero_()
+        self.passes += 1
+
+    @property
+    def calibrating(self):
+        """True during the first forward pass and its backward: no history yet, GEMMs in the run's dtype."""
+        return self.passes <= 1
+
+    def row(self, i):
+        return self.state[i]
+
+    def observe(self, i, x):
+        """Raises row ``i``'s step amax to x's (the calibrating pass, whose GEMMs cast nothing)."""
+        self.state[i, self.history] = torch.maximum(self.state[i, self.history], finite_amax(x))
+
+
+class Fp8Gemm:
+    """One linear layer's FP8 choice and its rows in an Fp8Recipe: ``forward`` (x and W in e4m3 for
+    y = x W^T) and ``dgrad`` (dy in e5m2, or e4m3, and W for dx = dy W). Rows: x, W, dy."""
+
+    def __init__(self, recipe, forward, dgrad):
+        self.recipe, self.forward, self.dgrad = recipe, forward, dgrad
+        self.first = recipe.reserve(3)
+
+    @property
+    def active(self):
+        return self.forward or self.dgrad
