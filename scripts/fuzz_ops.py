@@ -62,6 +62,7 @@ from ls_fairseq.ops.cross_entropy import CROSS_ENTROPY_ROUTE, cross_entropy_back
 from ls_fairseq.ops.cross_entropy import cross_entropy_forward_reference  # noqa: E402
 from ls_fairseq.ops.embedding import EMBEDDING_ROUTE, embedding_backward_reference  # noqa: E402
 from ls_fairseq.ops.embedding import embedding_forward_reference  # noqa: E402
+from ls_fairseq.ops.fp8_cast import fp8_cast, fp8_cast_reference  # noqa: E402
 from ls_fairseq.ops.layer_norm import LAYER_NORM_ROUTE, layer_norm_backward_reference  # noqa: E402
 from ls_fairseq.ops.layer_norm import layer_norm_forward_reference  # noqa: E402
 from ls_fairseq.ops.qkv import QKV_ROUTE, qkv_backward_reference, qkv_forward_reference  # noqa: E402
@@ -742,6 +743,35 @@ def case_beam_attention(c):
         beam_attention_reference(sq, kv[0], kv[1], mask)
     c.kernel("out", out, ref64, low)
 
+def case_fp8_cast(c):
+    """fp8_cast against its reference, bit for bit (NaN where the reference has NaN): both layouts or
+    one, odd sizes, an unaligned x, inf and NaN among the values, an empty or a full amax history."""
+    dtype = c.dtype()
+    cols = c.dim(8192, (1024, 4096, 64, 63))
+    rows = c.rows_for(cols, 65536)
+    e5m2 = c.pick("e5m2", (False, True))
+    layouts = c.pick("layouts", ("r", "r", "t", "rt"))
+    history = c.pick("history", ("empty", "full"))
+    c.params.update(rows=rows, cols=cols)
+    x = c.tensor((rows, cols), dtype, 10.0 ** c.rng.uniform(-4, 3), offset=c.offset())
+    flat = x.view(-1)
+    for value in c.rng.sample((float("inf"), float("-inf"), float("nan"), 1e30, 0.0), c.rng.randint(0, 3)):
+        flat[c.rng.randrange(flat.numel())] = value
+    state = torch.zeros(c.rng.randint(1, 20) + 2, device=c.device)
+    if history == "full":
+        state[:-2] = torch.rand(state.numel() - 2, device=c.device) * 10.0 ** c.rng.uniform(-6, 4)
+    state[-2] = c.rng.random()
+    ref_state = state.clone()
+    fill_free_memory(c)
+    got = fp8_cast(x, state, e5m2, "r" in layouts, "t" in layouts)
+    ref = fp8_cast_reference(x, ref_state, e5m2, "r" in layouts, "t" in layouts)
+    for name, a, b in zip(("q", "qT"), got, ref):
+        nan = b.float().isnan()
+        c.equal(name + " NaN", a.float().isnan(), nan)
+        c.equal(name, a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
+    c.equal("state", state, ref_state)
+
+
 CASES = {
     "embedding": case_embedding,
     "qkv": case_qkv,
@@ -758,6 +788,7 @@ CASES = {
     "beam_advance": case_beam_advance,
     "decode_attention": case_decode_attention,
     "beam_attention": case_beam_attention,
+    "fp8_cast": case_fp8_cast,
 }
 assert tuple(CASES) == dispatch.OPS, "fuzz every op of dispatch.OPS, in its order"
 

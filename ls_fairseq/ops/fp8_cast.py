@@ -93,7 +93,7 @@ def fp8_mm(a, a_state, b, b_state, out_dtype):
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or a.stride(1) != 1 or b.stride(0) != 1:
         raise ValueError("fp8_mm: a {} must be row-major [M, K] and b {} column-major [K, N]".format(
             tuple(a.shape), tuple(b.shape)))
-    _, mm = FP8_CAST_ROUTE.pick(a)
+    _, mm = FP8_CAST_ROUTE.pick(a_state)  # by the fp32 state: the route takes no FP8 tensor to the kernels
     return mm(a, a_state, b, b_state, out_dtype)
 
 
