@@ -65,7 +65,9 @@ def _fp8_mm_kernel(a, a_state, b, b_state, out_dtype):
     if torch.cuda.get_device_capability(a.device) < (8, 9):
         raise RuntimeError("ls_fairseq FP8 GEMMs need FP8 tensor cores (sm_89 or later); {} is sm_{}{}".format(
             torch.cuda.get_device_name(a.device), *torch.cuda.get_device_capability(a.device)))
-    return torch._scaled_mm(a, b, scale_a=a_state[-1:], scale_b=b_state[-1:], out_dtype=out_dtype)
+    # each scale copied to a tensor of its own: cuBLASLt's FP8 GEMM refused (CUBLAS_STATUS_NOT_SUPPORTED)
+    # the scales as views into the state rows, whose addresses are not 16-byte aligned
+    return torch._scaled_mm(a, b, scale_a=a_state[-1].clone(), scale_b=b_state[-1].clone(), out_dtype=out_dtype)
 
 
 FP8_CAST_ROUTE = dispatch.Route(
