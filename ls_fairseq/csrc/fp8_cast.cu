@@ -24,11 +24,14 @@ constexpr int kCastMaxBlocks = 4096;
 constexpr int kTile = 64;
 
 // The scale of a call: the format's largest value over the largest amax of the history (state[0..H)),
-// at most FLT_MAX; 1 while the history holds nothing.
+// at most FLT_MAX; 1 while the history holds nothing. The lanes of a warp read the history together
+// (a load each, then shuffles), not each of them all of it, one dependent load after another. Called
+// by every thread of a block, before any branch.
 template <bool E5M2>
 __device__ __forceinline__ float scale_of(const float* state, int history) {
   float m = 0.f;
-  for (int i = 0; i < history; ++i) m = fmaxf(m, state[i]);
+  for (int i = threadIdx.x & 31; i < history; i += 32) m = fmaxf(m, state[i]);
+  m = warp_max(m);
   return m > 0.f ? fminf(__fdiv_rn(E5M2 ? 57344.f : 448.f, m), FLT_MAX) : 1.f;
 }
 
