@@ -29,6 +29,18 @@ ls-fp16-master (--fp16: fp32 master weights inside ls_adam), ls-fp16-rtn (no mas
 --ls-round-to-nearest), ls-bf16, ls-bf16-master, ls-bf16-rtn likewise, ls-fp32.
 Bounds (the fused layers issue): losses within 1% from update 200 on, final validation
 loss within 1%, BLEU within 0.3. Prints a table and writes DIR/parity.json.
+
+  python scripts/parity.py --out DIR --seeds 1,2,3 [--systems ls-bf16-fp8] [--updates 3000]
+
+runs issue 35's convergence protocol instead: for each seed, stock (--fp16 on a GPU) and each
+system from that seed's own initial weights, with that seed's data order and dropout (no shared
+masks, no first-steps check). Each run's result is kept as DIR/NAME-sSEED.result.json and reused,
+so the seeds may be split over several calls into one DIR; every call reports all the runs DIR
+holds, against one-sided bounds (better is never a failure), S being stock's seed-to-seed range:
+a system's mean final validation loss at most stock's mean + max(1% of it, S); its mean BLEU at
+least stock's mean - max(0.5, stock's BLEU range); its mean training loss at each interval from
+--compare-from on at most stock's mean + stock's largest seed-to-seed gap at that interval.
+Writes DIR/seeds.md and DIR/seeds.json.
 """
 import argparse
 import json
@@ -49,6 +61,9 @@ PRECISION = {
     "ls-fp16-rtn": ["--memory-efficient-fp16", "--ls-round-to-nearest"],
     "ls-bf16-rtn": ["--memory-efficient-bf16", "--ls-round-to-nearest"],
     "ls-fp32": [],
+    # lengths to multiples of 8, so that every batch's token count fits the FP8 GEMM (a multiple of 16)
+    "ls-bf16-fp8": ["--bf16", "--ls-fp8", "--required-seq-len-multiple", "8"],
+    "ls-fp16-fp8": ["--fp16", "--ls-fp8", "--required-seq-len-multiple", "8"],
 }
 
 
@@ -116,13 +131,8 @@ def last_quarter(losses):
     return sum(tail) / len(tail)
 
 
-def train_all(args, data, write):
-    """Runs stock and each ls system; returns their results (losses, validation loss; BLEU when scorable).
-    ``write(results)`` reports them once trained (BLEU pending) and again when scored."""
-    import torch
-
-    gpu = torch.cuda.is_available()
-    systems = args.systems.split(",") if gpu else ["ls-fp32"]
+def run_options(gpu):
+    """(common options of every run, stock's, ls's)."""
     common = ["--share-all-embeddings", "--adam-betas", "(0.9,0.98)", "--lr-scheduler", "inverse_sqrt",
               "--warmup-updates", "1000", "--label-smoothing", "0.1", "--max-tokens", "8192",
               "--log-format", "simple", "--seed", "1", "--no-epoch-checkpoints", "--no-progress-bar",
@@ -134,17 +144,132 @@ def train_all(args, data, write):
              "--criterion", "label_smoothed_cross_entropy", "--optimizer", "adam"] + (["--fp16"] if gpu else [])
     ls = ["--user-dir", os.path.join(REPO, "ls_fairseq"), "--arch", "ls_transformer_wmt_en_de",
           "--criterion", "ls_label_smoothed_cross_entropy", "--optimizer", "ls_adam"]
-    init_dir = os.path.join(args.out, "init")
-    sh(ENTRY["fairseq-train"] + [data + "/data-bin", "--save-dir", init_dir, "--max-update", "1", "--lr", "1e-12",
-                                 "--disable-validation"] + stock + common + args.extra, os.path.join(args.out, "init.log"))
-    ls_init = os.path.join(args.out, "init_ls.pt")
-    sh([sys.executable, "-m", "ls_fairseq.convert", "from-fairseq", os.path.join(init_dir, "checkpoint_last.pt"), ls_init],
-       os.path.join(args.out, "convert.log"))
-    restart = ["--reset-optimizer", "--reset-lr-scheduler", "--reset-meters", "--reset-dataloader", "--lr", "5e-4"]
+    return common, stock, ls
+
+
+RESTART = ["--reset-optimizer", "--reset-lr-scheduler", "--reset-meters", "--reset-dataloader", "--lr", "5e-4"]
+
+
+def initial_weights(args, data, stock, common, tag="", seed=()):
+    """(stock's initial checkpoint, its conversion for ls_transformer): one stock update at a negligible
+    learning rate, made once per ``tag`` (a seed's)."""
+    init_dir = os.path.join(args.out, "init" + tag)
+    stock_init, ls_init = os.path.join(init_dir, "checkpoint_last.pt"), os.path.join(args.out, "init_ls" + tag + ".pt")
+    if not os.path.exists(ls_init):
+        sh(ENTRY["fairseq-train"] + [data + "/data-bin", "--save-dir", init_dir, "--max-update", "1", "--lr", "1e-12",
+                                     "--disable-validation"] + stock + common + args.extra + list(seed),
+           os.path.join(args.out, "init" + tag + ".log"))
+        sh([sys.executable, "-m", "ls_fairseq.convert", "from-fairseq", stock_init, ls_init],
+           os.path.join(args.out, "convert" + tag + ".log"))
+    return stock_init, ls_init
+
+
+def train_seeds(args, data):
+    """Issue 35's protocol: the runs of each seed of --seeds that OUT does not hold yet, trained (all at
+    once on a GPU), translated and scored; each kept as OUT/NAME.result.json."""
+    import torch
+
+    gpu = torch.cuda.is_available()
+    systems = args.systems.split(",") if gpu else ["ls-fp32"]
+    common, stock, ls = run_options(gpu)
+    stock_name = "stock-fp16" if gpu else "stock-fp32"
+    runs = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        tag, seeded = "-s{}".format(seed), ["--seed", str(seed)]
+        stock_init, ls_init = initial_weights(args, data, stock, common, tag, seeded)
+        for name, entry, system, init in [(stock_name, "fairseq-train", stock, stock_init)] + [
+                (n, "ls-fairseq-train", ls + PRECISION[n], ls_init) for n in systems]:
+            if not os.path.exists(os.path.join(args.out, name + tag + ".result.json")):
+                runs.append((name + tag, entry, system + seeded, init))
+    procs = []
+    for name, entry, system, init in runs:
+        log = os.path.join(args.out, name + ".train.log")
+        cmd = ENTRY[entry] + [data + "/data-bin", "--save-dir", os.path.join(args.out, name), "--restore-file", init] \
+            + system[:-2] + RESTART + common + ["--dropout", "0.3", "--max-update", str(args.updates), "--log-interval",
+                                                "50"] + args.extra + system[-2:]
+        procs.append((name, start(cmd, log), log))
+        if not gpu:
+            finish(procs[-1][1], log)
+    logs = {name: finish(proc, log) for name, proc, log in procs}
+    generating = [(name, start_generate(args.out, data, os.path.join(args.out, name, "checkpoint_last.pt"), name,
+                                        ["--fp16"] if gpu else ["--cpu"], system[:2])) for name, _, system, _ in runs]
+    for name, (proc, log) in generating:
+        keep_hypotheses(args.out, name, proc, log)
+        with open(os.path.join(args.out, name + ".result.json"), "w") as f:
+            json.dump(dict(losses=losses(logs[name]), valid_loss=valid_loss(logs[name]), bleu=bleu(args.out, data, name)), f)
+
+
+def seed_report(out, compare_from):
+    """(report, Markdown) of every OUT/NAME-sSEED.result.json: each system's seeds against stock's, by
+    issue 35's one-sided bounds (the module docstring)."""
+    by_system = {}
+    for f in sorted(os.listdir(out)):
+        m = re.match(r"(.+)-s(\d+)\.result\.json$", f)
+        if m:
+            with open(os.path.join(out, f)) as fh:
+                r = json.load(fh)
+            r["losses"] = {int(u): v for u, v in r["losses"].items()}
+            by_system.setdefault(m.group(1), {})[int(m.group(2))] = r
+    stock_name = next((n for n in by_system if n.startswith("stock")), None)
+    if stock_name is None:
+        raise SystemExit("parity: no stock run in {} to compare with".format(out))
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    def spread(values):
+        values = [v for v in values if v is not None]
+        return max(values) - min(values) if values else 0.0
+
+    stock = by_system[stock_name]
+    s_valid, s_bleu = mean(r["valid_loss"] for r in stock.values()), mean(r["bleu"] for r in stock.values())
+    valid_bound = s_valid + max(0.01 * s_valid, spread(r["valid_loss"] for r in stock.values())) if s_valid else None
+    bleu_bound = s_bleu - max(0.5, spread(r["bleu"] for r in stock.values())) if s_bleu is not None else None
+    lines = ["| system | seeds | mean valid loss (bound) | mean BLEU (bound) | worst interval: mean loss - bound | "
+             "within bounds |", "| --- | --- | --- | --- | --- | --- |",
+             "| {} | {} | {} | {} | - | - |".format(stock_name, ",".join(map(str, sorted(stock))),
+                                                 _fmt(s_valid, "{:.3f}"), _fmt(s_bleu, "{:.2f}"))]
+    report = dict(stock=stock_name, valid_bound=valid_bound, bleu_bound=bleu_bound, runs=by_system, systems={})
+    for name, seeds in by_system.items():
+        if name == stock_name:
+            continue
+        valid, score = mean(r["valid_loss"] for r in seeds.values()), mean(r["bleu"] for r in seeds.values())
+        intervals = sorted(u for u in set.intersection(*(set(r["losses"]) for r in list(stock.values()) + list(seeds.values())))
+                           if u >= compare_from)
+        margins = {u: mean(r["losses"][u] for r in seeds.values()) - mean(r["losses"][u] for r in stock.values())
+                   - spread(r["losses"][u] for r in stock.values()) for u in intervals}
+        worst = max(margins.items(), key=lambda kv: kv[1]) if margins else None
+        ok = dict(valid=valid is not None and valid_bound is not None and valid <= valid_bound,
+                  bleu=score is not None and bleu_bound is not None and score >= bleu_bound,
+                  losses=worst is not None and worst[1] <= 0)
+        report["systems"][name] = dict(seeds=sorted(seeds), mean_valid=valid, mean_bleu=score, intervals=intervals,
+                                       worst_interval=worst, within=ok, within_bounds=all(ok.values()))
+        lines.append("| {} | {} | {} ({}) | {} ({}) | {} | {} |".format(
+            name, ",".join(map(str, sorted(seeds))), _fmt(valid, "{:.3f}"), _fmt(valid_bound, "<= {:.3f}"),
+            _fmt(score, "{:.2f}"), _fmt(bleu_bound, ">= {:.2f}"),
+            "-" if worst is None else "update {}: {:+.3f}".format(*worst),
+            all(ok.values()) if all(ok.values()) else "no: " + ", ".join(k for k, v in ok.items() if not v)))
+    return report, "\n".join(lines)
+
+
+def _fmt(value, spec):
+    return "-" if value is None else spec.format(value)
+
+
+def train_all(args, data, write):
+    """Runs stock and each ls system; returns their results (losses, validation loss; BLEU when scorable).
+    ``write(results)`` reports them once trained (BLEU pending) and again when scored."""
+    import torch
+
+    gpu = torch.cuda.is_available()
+    systems = args.systems.split(",") if gpu else ["ls-fp32"]
+    common, stock, ls = run_options(gpu)
+    stock_init, ls_init = initial_weights(args, data, stock, common)
+    restart = RESTART
     stock_name = "stock-fp16" if gpu else "stock-fp32"
     reseeded = ["--user-dir", os.path.join(REPO, "scripts", "parity_hooks")] + stock[2:]
     ls_masks = ["--user-dir", os.path.join(REPO, "scripts", "parity_ls_masks")] + stock[2:]
-    stock_init = os.path.join(init_dir, "checkpoint_last.pt")
     # the first run is the reference of every comparison
     runs = [(stock_name + "-ls-masks", "fairseq-train", ls_masks, stock_init)] if gpu else []
     if args.noise_floor or not gpu:  # on CPU stock's own run is the reference
@@ -235,6 +360,12 @@ def compare(results, compare_from, first_steps):
     return report, "\n".join(curve + [""] + lines)
 
 
+def prepare(args, data):
+    sh(["bash", os.path.join(REPO, "recipes", "wmt14_en_de", "prepare.sh"), "--from",
+        os.path.join(REPO, "data", "lohelp"), "--work", data, "--vocab-size", str(args.vocab_size), "--ratio", "2.5"],
+       os.path.join(args.out, "prepare.log"))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
@@ -249,6 +380,7 @@ def main():
                         help="leave out the stock runs with their own and with other dropout masks (on a GPU the "
                              "reference draws ls_fairseq's masks): two runs fewer, for a shorter call")
     parser.add_argument("--rescore", action="store_true", help="only score OUT's hypotheses and report again")
+    parser.add_argument("--seeds", help="issue 35's protocol over these seeds, e.g. 1,2,3 (the module docstring)")
     parser.add_argument("extra", nargs="*", help="options for every fairseq-train run (after --)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -262,6 +394,16 @@ def main():
             f.write(text + "\n")
         return text
 
+    if args.seeds:
+        prepare(args, data)
+        train_seeds(args, data)
+        report, text = seed_report(args.out, args.compare_from)
+        with open(os.path.join(args.out, "seeds.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        with open(os.path.join(args.out, "seeds.md"), "w") as f:
+            f.write(text + "\n")
+        print(text)
+        return
     if args.rescore:
         with open(os.path.join(args.out, "parity.json")) as f:
             results = json.load(f)["runs"]
@@ -270,9 +412,7 @@ def main():
             for key in ("losses", "first_losses", "first_dropout_losses"):
                 r[key] = {int(u): v for u, v in r.get(key, {}).items()}
     else:
-        sh(["bash", os.path.join(REPO, "recipes", "wmt14_en_de", "prepare.sh"), "--from",
-            os.path.join(REPO, "data", "lohelp"), "--work", data, "--vocab-size", str(args.vocab_size), "--ratio", "2.5"],
-           os.path.join(args.out, "prepare.log"))
+        prepare(args, data)
         results = train_all(args, data, write)
     print(write(results))
 
