@@ -64,6 +64,9 @@ SYSTEMS = {
                                 "ls_fairseq.train"),
     "ls-fp16-fp8-graphs": LS + (["--fp16", "--ls-fp8", "--ls-cuda-graphs", "--required-seq-len-multiple", "8"],
                                 "ls_fairseq.train"),
+    # the input gradients of kv and vocab in FP8 too (their weights' two FP8 layouts come from one pass)
+    "ls-bf16-fp8-dgrad3-graphs": LS + (["--bf16", "--ls-fp8", "--ls-fp8-dgrad", "fc2,kv,vocab", "--ls-cuda-graphs",
+                                        "--required-seq-len-multiple", "8"], "ls_fairseq.train"),
     "ls-bf16": LS + (["--memory-efficient-bf16"], "ls_fairseq.train"),
     "ls-bf16-master": LS + (["--bf16"], "ls_fairseq.train"),
     # the plugin under plain fairseq-train --user-dir: fairseq's FP16Optimizer and host-side checks
