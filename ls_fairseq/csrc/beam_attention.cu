@@ -9,7 +9,6 @@
 // query, the scores, the probabilities. The output is token-major ([sentence, beam, head, d_head]),
 // so that the out projection reads it as merged heads without a copy.
 #include <cstdint>
-#include <type_traits>
 
 #include "common.cuh"
 
@@ -142,7 +141,7 @@ __global__ void __launch_bounds__(32 * kWarps)
 }  // namespace
 
 bool beam_attention_supports(int head_dim) {
-  return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+  return head_dim_compiled(head_dim);
 }
 
 void beam_attention(DType dt, const void* q, BeamAttentionStrides q_strides, const void* keys, const void* values,
@@ -158,12 +157,7 @@ void beam_attention(DType dt, const void* q, BeamAttentionStrides q_strides, con
           (const T*)q, q_strides, (const T*)keys, (const T*)values, kv_strides, padding, padding_stride,
           (const T*)bias, scaling, sentences, heads, beams, length, (T*)out);
     };
-    switch (head_dim) {
-      case 32: run(std::integral_constant<int, 32>{}); break;
-      case 64: run(std::integral_constant<int, 64>{}); break;
-      case 128: run(std::integral_constant<int, 128>{}); break;
-      case 256: run(std::integral_constant<int, 256>{}); break;
-    }
+    dispatch_head_dim(head_dim, run);
   })
 }
 

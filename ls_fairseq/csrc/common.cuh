@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -461,5 +462,21 @@ inline int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
     default:                                                       \
       break;                                                       \
   }
+
+// The head sizes the decoding attention kernels (beam_attention, decode_attention) are compiled for.
+inline bool head_dim_compiled(int head_dim) {
+  return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+// Calls run(std::integral_constant<int, D>{}) with D = head_dim, one of head_dim_compiled's sizes.
+template <typename F>
+inline void dispatch_head_dim(int head_dim, F&& run) {
+  switch (head_dim) {
+    case 32: run(std::integral_constant<int, 32>{}); break;
+    case 64: run(std::integral_constant<int, 64>{}); break;
+    case 128: run(std::integral_constant<int, 128>{}); break;
+    case 256: run(std::integral_constant<int, 256>{}); break;
+  }
+}
 
 }  // namespace ls

@@ -15,7 +15,6 @@
 // row): the kernel adds the bias and scales q as the QKV transform would, rounding to T as it does,
 // so that transform's launch and its copy of q, k and v are gone.
 #include <cstdint>
-#include <type_traits>
 
 #include "common.cuh"
 
@@ -161,7 +160,7 @@ void launch(const void* q, int64_t q_stride, const void* keys, const void* value
 }  // namespace
 
 bool decode_attention_supports(int head_dim) {
-  return head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+  return head_dim_compiled(head_dim);
 }
 
 void decode_attention(DType dt, const void* q, int64_t q_stride, const void* keys, const void* values,
@@ -176,12 +175,7 @@ void decode_attention(DType dt, const void* q, int64_t q_stride, const void* key
                                       hypotheses, heads, length, length_on_device, new_keys, new_values, new_stride,
                                       bias, scaling, out, stream);
     };
-    switch (head_dim) {
-      case 32: run(std::integral_constant<int, 32>{}); break;
-      case 64: run(std::integral_constant<int, 64>{}); break;
-      case 128: run(std::integral_constant<int, 128>{}); break;
-      case 256: run(std::integral_constant<int, 256>{}); break;
-    }
+    dispatch_head_dim(head_dim, run);
   })
 }
 
