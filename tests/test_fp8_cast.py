@@ -83,6 +83,16 @@ def test_bad_input_is_named():
     assert fp8_fits(16, 32, 1024) and not fp8_fits(16, 24) and not fp8_fits(0)
 
 
+@pytest.mark.parametrize("history", [1, 2, 3, 4, 16])
+def test_recipe_puts_each_inverse_scale_on_a_16_byte_boundary(history):
+    recipe = Fp8Recipe(history=history)
+    recipe.reserve(5)
+    recipe.begin(torch.device("cpu"))
+    for i in range(5):
+        row = recipe.row(i)
+        assert row.numel() == history + 2 and row.is_contiguous() and row[-1].data_ptr() % 16 == 0
+
+
 def test_recipe_moves_step_amaxes_into_the_history():
     recipe = Fp8Recipe(history=3)
     first = recipe.reserve(2)

@@ -65,9 +65,10 @@ def _fp8_mm_kernel(a, a_state, b, b_state, out_dtype):
     if torch.cuda.get_device_capability(a.device) < (8, 9):
         raise RuntimeError("ls_fairseq FP8 GEMMs need FP8 tensor cores (sm_89 or later); {} is sm_{}{}".format(
             torch.cuda.get_device_name(a.device), *torch.cuda.get_device_capability(a.device)))
-    # each scale copied to a tensor of its own: cuBLASLt's FP8 GEMM refused (CUBLAS_STATUS_NOT_SUPPORTED)
-    # the scales as views into the state rows, whose addresses are not 16-byte aligned
-    return torch._scaled_mm(a, b, scale_a=a_state[-1].clone(), scale_b=b_state[-1].clone(), out_dtype=out_dtype)
+    # cuBLASLt's FP8 GEMM refuses (CUBLAS_STATUS_NOT_SUPPORTED) a scale whose address is not 16-byte
+    # aligned: Fp8Recipe's rows place the inverse scale on a 16-byte boundary; another state's is copied
+    scales = [s[-1] if s[-1].data_ptr() % 16 == 0 else s[-1].clone() for s in (a_state, b_state)]
+    return torch._scaled_mm(a, b, scale_a=scales[0], scale_b=scales[1], out_dtype=out_dtype)
 
 
 FP8_CAST_ROUTE = dispatch.Route(
@@ -110,7 +111,9 @@ class Fp8Recipe:
     scale] a tensor, reserved at construction (``reserve``) and allocated on the device of the first
     training forward (never saved: a resumed run calibrates again). ``begin`` at each training forward
     moves each tensor's step amax into its history, newest first (a tensor that recorded nothing
-    since keeps its history); every update is in place, so CUDA graphs capture it."""
+    since keeps its history); every update is in place, so CUDA graphs capture it. ``state`` is a view
+    [rows, history + 2] into rows padded to 16 bytes, each starting where its inverse scale lands on a
+    16-byte boundary, as cuBLASLt's FP8 GEMM needs of a scale's address."""
 
     def __init__(self, history=16, grad_e5m2=True, forward=(), dgrad=()):
         if history < 1:
@@ -134,7 +137,10 @@ class Fp8Recipe:
     def begin(self, device):
         """A training forward starts on ``device``."""
         if self.state is None or self.state.device != device:
-            self.state, self.passes = torch.zeros(self.rows, self.history + 2, device=device), 0
+            H = self.history
+            lead = -(H + 1) % 4  # floats before the history, so that the inverse scale's index is a multiple of 4
+            storage = torch.zeros(self.rows, (lead + H + 2 + 3) // 4 * 4, device=device)
+            self.state, self.passes = storage[:, lead : lead + H + 2], 0
         elif self.passes > 0:
             H = self.history
             amax = self.state[:, H]
