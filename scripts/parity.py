@@ -61,13 +61,14 @@ PRECISION = {
     "ls-fp16-rtn": ["--memory-efficient-fp16", "--ls-round-to-nearest"],
     "ls-bf16-rtn": ["--memory-efficient-bf16", "--ls-round-to-nearest"],
     "ls-fp32": [],
-    "ls-bf16-fp8": ["--bf16", "--ls-fp8"],
-    "ls-fp16-fp8": ["--fp16", "--ls-fp8"],
+    # lengths to multiples of 8, so that every batch's token count fits the FP8 GEMM (a multiple of 16)
+    "ls-bf16-fp8": ["--bf16", "--ls-fp8", "--required-seq-len-multiple", "8"],
+    "ls-fp16-fp8": ["--fp16", "--ls-fp8", "--required-seq-len-multiple", "8"],
     # the output projection (the logits) kept in bf16, as FP8 recipes commonly keep a model's last layer
-    "ls-bf16-fp8-novocab": ["--bf16", "--ls-fp8", "--ls-fp8-forward", "qkv,kv"],
+    "ls-bf16-fp8-novocab": ["--bf16", "--ls-fp8", "--ls-fp8-forward", "qkv,kv", "--required-seq-len-multiple", "8"],
     # the default FP8 GEMMs split in two, to tell which costs convergence: the forwards alone, fc2's dgrad alone
-    "ls-bf16-fp8-fwd": ["--bf16", "--ls-fp8", "--ls-fp8-dgrad", ","],
-    "ls-bf16-fp8-dgrad": ["--bf16", "--ls-fp8", "--ls-fp8-forward", ","],
+    "ls-bf16-fp8-fwd": ["--bf16", "--ls-fp8", "--ls-fp8-dgrad", ",", "--required-seq-len-multiple", "8"],
+    "ls-bf16-fp8-dgrad": ["--bf16", "--ls-fp8", "--ls-fp8-forward", ",", "--required-seq-len-multiple", "8"],
     # ls --bf16 on the FP8 systems' batches: the control that tells FP8's arithmetic from the padding's
     "ls-bf16-pad8": ["--bf16", "--required-seq-len-multiple", "8"],
 }

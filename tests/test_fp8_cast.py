@@ -80,7 +80,7 @@ def test_bad_input_is_named():
         fp8_mm(a8, state_of([1.0]), a8, state_of([1.0]), torch.float32)
     with pytest.raises(ValueError, match="history"):
         Fp8Recipe(history=0)
-    assert fp8_fits(16, 32, 1024) and fp8_fits(17, 32, 1024) and not fp8_fits(16, 24, 32) and not fp8_fits(0, 16, 16)
+    assert fp8_fits(16, 32, 1024) and not fp8_fits(16, 24) and not fp8_fits(0)
 
 
 @pytest.mark.parametrize("history", [1, 2, 3, 4, 16])
@@ -153,27 +153,13 @@ def test_linear_calibrates_then_runs_fp8_with_its_weight_gradient_unchanged(forw
 
 
 def test_linear_keeps_unfit_shapes_in_the_run_dtype():
-    x, w, dy = _linear_case(3)
-    w = w.detach()[:, :40].requires_grad_()  # K = 40: not a multiple of 16
-    x = x.detach()[..., :40].requires_grad_()
+    x, w, dy = _linear_case(3, tokens=20)  # 20 rows: not a multiple of 16
     recipe = Fp8Recipe(forward=["l"], dgrad=["l"])
     gemm = recipe.gemm("l")
     recipe.begin(x.device)
     recipe.begin(x.device)
     for a, b in zip(_run(x, w, dy, gemm), _run(x, w, dy, None)):
         assert torch.equal(a, b)
-
-
-def test_linear_runs_fp8_on_any_token_count():
-    x, w, dy = _linear_case(3, tokens=22)  # 22 rows: M need not be a multiple of 16
-    recipe = Fp8Recipe(forward=["l"], dgrad=["l"])
-    gemm = recipe.gemm("l")
-    recipe.begin(x.device)
-    _run(x, w, dy, gemm)
-    recipe.begin(x.device)
-    for got, ref in zip(_run(x, w, dy, gemm)[:2], _run(x, w, dy, None)[:2]):
-        rel = ((got - ref).norm() / ref.norm()).item()
-        assert 0 < rel < 0.08, rel
 
 
 def test_model_with_ls_fp8_trains_and_evaluates_in_the_run_dtype():
@@ -243,7 +229,7 @@ def test_kernel_is_bit_equal_to_the_reference(dtype, e5m2, rows, cols, layouts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m,k,n", [(16, 32, 48), (21, 32, 48), (1000, 1024, 3072), (4096, 4096, 1024)])
+@pytest.mark.parametrize("m,k,n", [(16, 32, 48), (1024, 1024, 3072), (4096, 4096, 1024)])
 def test_fp8_gemm_against_fp64(dtype, m, k, n):
     """torch's FP8 GEMM on the quantised operands against their product in fp64: within twice the
     error of the reference (fp32 accumulation, then the run's dtype)."""
@@ -262,13 +248,12 @@ def test_fp8_gemm_against_fp64(dtype, m, k, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1024, 1002])
-def test_fp8_linear_on_the_gpu_matches_the_reference_path(dtype, tokens, monkeypatch):
+def test_fp8_linear_on_the_gpu_matches_the_reference_path(dtype, monkeypatch):
     """ops.linear's FP8 forward and input gradient: the GPU path (kernel casts, torch's FP8 GEMM)
     against the reference path on the same GPU tensors, within twice the reference's error against fp64."""
     seed = torch.randint(0, 2**31, ()).item()
     print("seed", seed)
-    x, w, dy = _linear_case(seed, dtype, "cuda", tokens=tokens)
+    x, w, dy = _linear_case(seed, dtype, "cuda", tokens=1024)
     results = []
     for forced in ("", "fp8_cast"):
         monkeypatch.setenv("LS_FAIRSEQ_REFERENCE", forced)

@@ -100,11 +100,10 @@ def fp8_mm(a, a_state, b, b_state, out_dtype):
     return mm(a, a_state, b, b_state, out_dtype)
 
 
-def fp8_fits(m, k, n):
-    """True when an [m, k] x [k, n] product can run as an FP8 GEMM: cuBLASLt's needs k and n to be
-    multiples of 16 (the operands' leading dimensions), m any positive count. The rule holds on every
-    device, so that the reference takes the same path as the GPU."""
-    return m > 0 and k > 0 and n > 0 and k % 16 == 0 and n % 16 == 0
+def fp8_fits(*sizes):
+    """True when every size is a multiple of 16, as the FP8 GEMM (cuBLASLt) needs of M, K and N. The rule
+    holds on every device, so that the reference takes the same path as the GPU."""
+    return all(n % 16 == 0 and n > 0 for n in sizes)
 
 
 class Fp8Recipe:

@@ -10,9 +10,8 @@ bias_act_dropout, bias_dropout_residual) adds it. Same math on CPU and GPU.
 With ``fp8`` (an ops.fp8_cast.Fp8Gemm: ls_transformer's --ls-fp8) the forward GEMM and/or the input
 gradient's run on FP8 tensor cores: x and W cast to e4m3 (W transposed for dX), dY to e5m2, each by
 ops.fp8_cast with its delayed scale, the product in fp32 and then in x's dtype. The weight gradient
-stays in x's dtype. A GEMM whose K or N is not a multiple of 16 runs in x's dtype (cuBLASLt's FP8
-rule, kept on every device; the token count M is free), as does every GEMM of the recipe's calibrating
-first pass.
+stays in x's dtype. A GEMM whose M, K or N is not a multiple of 16 runs in x's dtype (cuBLASLt's FP8
+rule, kept on every device), as does every GEMM of the recipe's calibrating first pass.
 """
 import torch
 import torch.nn.functional as F
