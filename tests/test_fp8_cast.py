@@ -17,6 +17,7 @@ from ls_fairseq.ops.fp8_cast import (
     fp8_fits,
     fp8_mm,
     fp8_mm_reference,
+    finite_amax,
 )
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -42,6 +43,21 @@ def test_reference_scales_by_the_history_and_saturates():
     assert state[-2] == 1e6  # the finite amax, above the step's 7
     assert state[-1] == torch.tensor(1.0) / torch.tensor(s)
     assert state[:3].tolist() == [10.0, 4.0, 0.0]  # the history is begin's to move
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_finite_amax_in_chunks_is_the_whole_tensor_s(dtype):
+    seed = torch.randint(0, 2**31, ()).item()
+    print("seed", seed)
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(37, 29, generator=g) * 100).to(dtype)
+    x.view(-1)[torch.randint(0, x.numel(), (5,), generator=g)] = float("inf")
+    x.view(-1)[torch.randint(0, x.numel(), (5,), generator=g)] = float("nan")
+    finite = x.float()[torch.isfinite(x.float())]
+    for chunk in (7, 64, x.numel(), 1 << 24):
+        assert finite_amax(x, chunk) == finite.abs().max()
+    assert finite_amax(x.t(), 5) == finite.abs().max()  # not contiguous
+    assert finite_amax(torch.full((3,), float("nan"), dtype=dtype)) == 0 and finite_amax(x[:0]) == 0
 
 
 def test_reference_e5m2_keeps_inf_and_an_empty_history_scales_by_one():
