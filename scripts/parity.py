@@ -187,19 +187,20 @@ def train_seeds(args, data):
         for name, entry, system, init in [(stock_name, "fairseq-train", stock, stock_init)] + [
                 (n, "ls-fairseq-train", ls + PRECISION[n], ls_init) for n in systems]:
             if not os.path.exists(os.path.join(args.out, name + tag + ".result.json")):
-                runs.append((name + tag, entry, system + seeded, init))
+                runs.append((name + tag, entry, system, seeded, init))
     procs = []
-    for name, entry, system, init in runs:
+    for name, entry, system, seeded, init in runs:
         log = os.path.join(args.out, name + ".train.log")
+        # the seed last, so that it overrides common's
         cmd = ENTRY[entry] + [data + "/data-bin", "--save-dir", os.path.join(args.out, name), "--restore-file", init] \
-            + system[:-2] + RESTART + common + ["--dropout", "0.3", "--max-update", str(args.updates), "--log-interval",
-                                                "50"] + args.extra + system[-2:]
+            + system + RESTART + common + ["--dropout", "0.3", "--max-update", str(args.updates), "--log-interval",
+                                           "50"] + args.extra + seeded
         procs.append((name, start(cmd, log), log))
         if not gpu:
             finish(procs[-1][1], log)
     logs = {name: finish(proc, log) for name, proc, log in procs}
     generating = [(name, start_generate(args.out, data, os.path.join(args.out, name, "checkpoint_last.pt"), name,
-                                        ["--fp16"] if gpu else ["--cpu"], system[:2])) for name, _, system, _ in runs]
+                                        ["--fp16"] if gpu else ["--cpu"], system[:2])) for name, _, system, _, _ in runs]
     for name, (proc, log) in generating:
         keep_hypotheses(args.out, name, proc, log)
         with open(os.path.join(args.out, name + ".result.json"), "w") as f:
@@ -273,7 +274,6 @@ def train_all(args, data, write):
     systems = args.systems.split(",") if gpu else ["ls-fp32"]
     common, stock, ls = run_options(gpu)
     stock_init, ls_init = initial_weights(args, data, stock, common)
-    restart = RESTART
     stock_name = "stock-fp16" if gpu else "stock-fp32"
     reseeded = ["--user-dir", os.path.join(REPO, "scripts", "parity_hooks")] + stock[2:]
     ls_masks = ["--user-dir", os.path.join(REPO, "scripts", "parity_ls_masks")] + stock[2:]
@@ -299,7 +299,7 @@ def train_all(args, data, write):
         for name, entry, system, init in runs:
             log = os.path.join(args.out, name + suffix + ".train.log")
             cmd = ENTRY[entry] + [data + "/data-bin", "--save-dir", os.path.join(args.out, name + suffix),
-                                  "--restore-file", init] + system + restart + common + options + args.extra
+                                  "--restore-file", init] + system + RESTART + common + options + args.extra
             procs.append((name + suffix, start(cmd, log), log))
             if not gpu:
                 finish(procs[-1][1], log)
@@ -311,7 +311,7 @@ def train_all(args, data, write):
                for name, _, _, _ in runs}
     write(results)
     generating = [(name, start_generate(args.out, data, os.path.join(args.out, name, "checkpoint_last.pt"), name,
-                                        ["--fp16"] if gpu else ["--cpu"], system[:2])) for name, _, system, _ in runs]
+                                        ["--fp16"] if gpu else ["--cpu"], system[:2])) for name, _, system, _, _ in runs]
     for name, (proc, log) in generating:
         keep_hypotheses(args.out, name, proc, log)
         results[name]["bleu"] = bleu(args.out, data, name)
