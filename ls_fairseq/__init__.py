@@ -8,10 +8,12 @@ weights_only loading (see ``ls_fairseq.checkpoint``), makes fairseq's
 checkpoint writing atomic (same module), checks the token ids of the data
 fairseq loads against its dictionary (``ls_fairseq.data_checks``), and has
 the translation task translate ls models with ``ls_fairseq.generation``
-(fairseq-generate, fairseq-interactive: see there).
+(fairseq-generate, fairseq-interactive: see there), and has fairseq's trainer
+pack the training batches with --ls-packed (``ls_fairseq.batching``).
 """
-from ls_fairseq import checkpoint, criterions, data_checks, generation, models, optim  # noqa: F401
+from ls_fairseq import batching, checkpoint, criterions, data_checks, generation, models, optim  # noqa: F401
 
+batching.install()
 checkpoint.install()
 data_checks.install()
 generation.install()
