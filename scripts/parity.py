@@ -26,7 +26,8 @@ BLEU is left for --rescore.
 
 Systems: ls-fp16 (--memory-efficient-fp16: no master weights, stochastic rounding),
 ls-fp16-master (--fp16: fp32 master weights inside ls_adam), ls-fp16-rtn (no master,
---ls-round-to-nearest), ls-bf16, ls-bf16-master, ls-bf16-rtn likewise, ls-fp32.
+--ls-round-to-nearest), ls-bf16, ls-bf16-master, ls-bf16-rtn likewise, ls-fp32; the FP8 ones
+(ls-bf16-fp8 and its variants, ls-fp32-fp8 on the CPU) and their padded controls (PRECISION).
 Bounds (the fused layers issue): losses within 1% from update 200 on, final validation
 loss within 1%, BLEU within 0.3. Prints a table and writes DIR/parity.json.
 
@@ -41,6 +42,18 @@ a system's mean final validation loss at most stock's mean + max(1% of it, S); i
 least stock's mean - max(0.5, stock's BLEU range); its mean training loss at each interval from
 --compare-from on at most stock's mean + stock's largest seed-to-seed gap at that interval.
 Writes DIR/seeds.md and DIR/seeds.json.
+
+  python scripts/parity.py --out DIR --seeds 1 --systems ls-fp32-fp8 --baseline ls-fp32 --vocab-size 2000 \
+      --arch ls_transformer --width 128 --ffn 256 --layers 2 --heads 4 --max-tokens 4096 --lr 4e-3 \
+      --warmup-updates 200 --dropout 0.1 --clip-norm 1.0 --updates 1200
+
+runs the same protocol against the system named by --baseline (stock-fp16 on a GPU and stock-fp32 on
+the CPU by default; any system of --systems), on the CPU too (each --systems name; default ls-fp32),
+at the model and batch that --arch, --width, --ffn, --layers, --heads, --max-tokens and the
+optimizer's options set (the defaults: transformer_wmt_en_de at 8,192 tokens). Without a stock run
+among them each ls run starts from its seed's own initialisation instead of converted stock weights.
+The baseline is trained first when DIR lacks it; a report over DIR's runs against another baseline
+is the same command with that --baseline (runs DIR holds are not trained again).
 """
 import argparse
 import json
@@ -71,7 +84,13 @@ PRECISION = {
     "ls-bf16-fp8-dgrad": ["--bf16", "--ls-fp8", "--ls-fp8-forward", ",", "--required-seq-len-multiple", "8"],
     # ls --bf16 on the FP8 systems' batches: the control that tells FP8's arithmetic from the padding's
     "ls-bf16-pad8": ["--bf16", "--required-seq-len-multiple", "8"],
+    # on the CPU: the FP8 reference (torch's float8 dtypes) keeps the GPU's rule that M, K and N be
+    # multiples of 16, so lengths to multiples of 16 give every batch's token count M a fitting size
+    "ls-fp32-fp8": ["--ls-fp8", "--required-seq-len-multiple", "16"],
+    # ls fp32 on the FP8 system's batches: its control
+    "ls-fp32-pad16": ["--required-seq-len-multiple", "16"],
 }
+STOCK = {"stock-fp16": ["--fp16"], "stock-fp32": []}
 
 
 def start(cmd, log):
@@ -93,6 +112,12 @@ def sh(cmd, log):
 
 def losses(log):
     return {int(u): float(loss) for loss, u in re.findall(r"train_inner \|.*? loss=([\d.]+),.*?num_updates=(\d+)", log)}
+
+
+def words_per_batch(log):
+    """The mean of the logged intervals' target tokens per batch (wpb), None without any."""
+    found = [float(w) for w in re.findall(r"train_inner \|.*? wpb=([\d.]+)", log)]
+    return round(sum(found) / len(found), 1) if found else None
 
 
 def valid_loss(log):
@@ -138,23 +163,52 @@ def last_quarter(losses):
     return sum(tail) / len(tail)
 
 
-def run_options(gpu):
+def model_options(args):
+    """The --width, --ffn, --layers and --heads given, as both sides' fairseq options."""
+    out = []
+    for value, option in ((args.width, "embed-dim"), (args.ffn, "ffn-embed-dim"), (args.layers, "layers"),
+                          (args.heads, "attention-heads")):
+        if value is not None:
+            out += ["--encoder-" + option, str(value), "--decoder-" + option, str(value)]
+    return out
+
+
+def run_options(gpu, args):
     """(common options of every run, stock's, ls's)."""
+    if not args.arch.startswith("ls_"):
+        raise SystemExit("parity: --arch is the ls architecture (ls_transformer...), stock's is its namesake; got "
+                         + args.arch)
     common = ["--share-all-embeddings", "--adam-betas", "(0.9,0.98)", "--lr-scheduler", "inverse_sqrt",
-              "--warmup-updates", "1000", "--label-smoothing", "0.1", "--max-tokens", "8192",
+              "--warmup-updates", str(args.warmup_updates), "--label-smoothing", "0.1", "--max-tokens",
+              str(args.max_tokens), "--clip-norm", str(args.clip_norm),
               "--log-format", "simple", "--seed", "1", "--no-epoch-checkpoints", "--no-progress-bar",
               # validate and save once, at the end
               "--validate-interval", "100000", "--save-interval", "100000"] + ([] if gpu else ["--cpu", "--num-workers", "0"])
     # the stock run loads the plugin only so that torch >= 2.6 can read the initial checkpoint
     # (weights_only); its architecture, criterion and optimizer are fairseq's own
-    stock = ["--user-dir", os.path.join(REPO, "ls_fairseq"), "--arch", "transformer_wmt_en_de",
-             "--criterion", "label_smoothed_cross_entropy", "--optimizer", "adam"] + (["--fp16"] if gpu else [])
-    ls = ["--user-dir", os.path.join(REPO, "ls_fairseq"), "--arch", "ls_transformer_wmt_en_de",
-          "--criterion", "ls_label_smoothed_cross_entropy", "--optimizer", "ls_adam"]
+    stock = ["--user-dir", os.path.join(REPO, "ls_fairseq"), "--arch", args.arch[3:],
+             "--criterion", "label_smoothed_cross_entropy", "--optimizer", "adam"] + model_options(args) \
+        + (["--fp16"] if gpu else [])
+    ls = ["--user-dir", os.path.join(REPO, "ls_fairseq"), "--arch", args.arch,
+          "--criterion", "ls_label_smoothed_cross_entropy", "--optimizer", "ls_adam"] + model_options(args)
     return common, stock, ls
 
 
-RESTART = ["--reset-optimizer", "--reset-lr-scheduler", "--reset-meters", "--reset-dataloader", "--lr", "5e-4"]
+RESTART = ["--reset-optimizer", "--reset-lr-scheduler", "--reset-meters", "--reset-dataloader"]
+
+
+def chosen_systems(args, gpu):
+    """(the baseline's name, the other systems' names) of --baseline and --systems, checked."""
+    systems = (args.systems or ("ls-fp16-master,ls-bf16-master" if gpu else "ls-fp32")).split(",")
+    baseline = args.baseline or ("stock-fp16" if gpu else "stock-fp32")
+    for name in [baseline] + systems:
+        if name not in PRECISION and name not in STOCK:
+            raise SystemExit("parity: unknown system {}; the systems: {}".format(
+                name, ", ".join(list(STOCK) + list(PRECISION))))
+        if not gpu and (name == "stock-fp16" or "fp16" in name or "bf16" in name):
+            raise SystemExit("parity: {} needs a GPU; on the CPU: stock-fp32, ls-fp32, ls-fp32-fp8, "
+                             "ls-fp32-pad16".format(name))
+    return baseline, [n for n in dict.fromkeys(systems) if n != baseline]
 
 
 def initial_weights(args, data, stock, common, tag="", seed=()):
@@ -177,24 +231,31 @@ def train_seeds(args, data):
     import torch
 
     gpu = torch.cuda.is_available()
-    systems = args.systems.split(",") if gpu else ["ls-fp32"]
-    common, stock, ls = run_options(gpu)
-    stock_name = "stock-fp16" if gpu else "stock-fp32"
+    baseline, systems = chosen_systems(args, gpu)
+    common, stock, ls = run_options(gpu, args)
     runs = []
     for seed in (int(s) for s in args.seeds.split(",")):
         tag, seeded = "-s{}".format(seed), ["--seed", str(seed)]
-        stock_init, ls_init = initial_weights(args, data, stock, common, tag, seeded)
-        for name, entry, system, init in [(stock_name, "fairseq-train", stock, stock_init)] + [
-                (n, "ls-fairseq-train", ls + PRECISION[n], ls_init) for n in systems]:
-            if not os.path.exists(os.path.join(args.out, name + tag + ".result.json")):
-                runs.append((name + tag, entry, system, seeded, init))
+        missing = [n for n in [baseline] + systems
+                   if not os.path.exists(os.path.join(args.out, n + tag + ".result.json"))]
+        if not missing:
+            continue
+        # ls runs start from stock's converted weights where a stock run is compared, else from their seed's own
+        stock_init, ls_init = (initial_weights(args, data, stock, common, tag, seeded)
+                               if any(n in STOCK for n in [baseline] + systems) else (None, None))
+        for name in missing:
+            entry, system, init = (("fairseq-train", [o for o in stock if o != "--fp16"] + STOCK[name], stock_init)
+                                   if name in STOCK
+                                   else ("ls-fairseq-train", ls + PRECISION[name], ls_init))
+            runs.append((name + tag, entry, system, seeded, init))
     procs = []
     for name, entry, system, seeded, init in runs:
         log = os.path.join(args.out, name + ".train.log")
+        restore = ["--restore-file", init] + RESTART if init else []
         # the seed last, so that it overrides common's
-        cmd = ENTRY[entry] + [data + "/data-bin", "--save-dir", os.path.join(args.out, name), "--restore-file", init] \
-            + system + RESTART + common + ["--dropout", "0.3", "--max-update", str(args.updates), "--log-interval",
-                                           "50"] + args.extra + seeded
+        cmd = ENTRY[entry] + [data + "/data-bin", "--save-dir", os.path.join(args.out, name)] + restore + system \
+            + common + ["--lr", str(args.lr), "--dropout", str(args.dropout), "--max-update", str(args.updates),
+                        "--log-interval", "50"] + args.extra + seeded
         procs.append((name, start(cmd, log), log))
         if not gpu:
             finish(procs[-1][1], log)
@@ -204,12 +265,13 @@ def train_seeds(args, data):
     for name, (proc, log) in generating:
         keep_hypotheses(args.out, name, proc, log)
         with open(os.path.join(args.out, name + ".result.json"), "w") as f:
-            json.dump(dict(losses=losses(logs[name]), valid_loss=valid_loss(logs[name]), bleu=bleu(args.out, data, name)), f)
+            json.dump(dict(losses=losses(logs[name]), valid_loss=valid_loss(logs[name]), bleu=bleu(args.out, data, name),
+                           wpb=words_per_batch(logs[name])), f)
 
 
-def seed_report(out, compare_from):
-    """(report, Markdown) of every OUT/NAME-sSEED.result.json: each system's seeds against stock's, by
-    issue 35's one-sided bounds (the module docstring)."""
+def seed_report(out, compare_from, baseline=None):
+    """(report, Markdown) of every OUT/NAME-sSEED.result.json: each system's seeds against the
+    ``baseline``'s (default: the stock run's), by issue 35's one-sided bounds (the module docstring)."""
     by_system = {}
     for f in sorted(os.listdir(out)):
         m = re.match(r"(.+)-s(\d+)\.result\.json$", f)
@@ -218,9 +280,9 @@ def seed_report(out, compare_from):
                 r = json.load(fh)
             r["losses"] = {int(u): v for u, v in r["losses"].items()}
             by_system.setdefault(m.group(1), {})[int(m.group(2))] = r
-    stock_name = next((n for n in by_system if n.startswith("stock")), None)
-    if stock_name is None:
-        raise SystemExit("parity: no stock run in {} to compare with".format(out))
+    stock_name = baseline or next((n for n in by_system if n.startswith("stock")), None)
+    if stock_name not in by_system:
+        raise SystemExit("parity: no {} run in {} to compare with".format(baseline or "stock", out))
 
     def mean(values):
         values = [v for v in values if v is not None]
@@ -238,7 +300,7 @@ def seed_report(out, compare_from):
              "within bounds |", "| --- | --- | --- | --- | --- | --- |",
              "| {} | {} | {} | {} | - | - |".format(stock_name, ",".join(map(str, sorted(stock))),
                                                  _fmt(s_valid, "{:.3f}"), _fmt(s_bleu, "{:.2f}"))]
-    report = dict(stock=stock_name, valid_bound=valid_bound, bleu_bound=bleu_bound, runs=by_system, systems={})
+    report = dict(baseline=stock_name, valid_bound=valid_bound, bleu_bound=bleu_bound, runs=by_system, systems={})
     for name, seeds in by_system.items():
         if name == stock_name:
             continue
@@ -271,8 +333,9 @@ def train_all(args, data, write):
     import torch
 
     gpu = torch.cuda.is_available()
-    systems = args.systems.split(",") if gpu else ["ls-fp32"]
-    common, stock, ls = run_options(gpu)
+    baseline, systems = chosen_systems(args, gpu)
+    systems = [n for n in [baseline] + systems if n not in STOCK]
+    common, stock, ls = run_options(gpu, args)
     stock_init, ls_init = initial_weights(args, data, stock, common)
     stock_name = "stock-fp16" if gpu else "stock-fp32"
     reseeded = ["--user-dir", os.path.join(REPO, "scripts", "parity_hooks")] + stock[2:]
@@ -285,14 +348,16 @@ def train_all(args, data, write):
         runs += [(stock_name + "-reseeded", "fairseq-train", reseeded, stock_init)]
     runs += [(name, "ls-fairseq-train", ls + PRECISION[name], ls_init) for name in systems]
     # every run of a phase at once on a GPU (they share it); one after another on CPU
-    phases = [("", ["--dropout", "0.3", "--max-update", str(args.updates), "--log-interval", "50"])]
+    phases = [("", ["--lr", str(args.lr), "--dropout", str(args.dropout), "--max-update", str(args.updates),
+                    "--log-interval", "50"])]
     if args.first_steps:
         # a small initial loss scale: stock fairseq does not count an overflowing fp16 step as an update, the
         # device-decided step of ls-fairseq-train does, and a skipped step would shift the two curves apart
-        first = ["--max-update", str(args.first_steps), "--log-interval", "1", "--fp16-init-scale", "4"]
+        first = ["--lr", str(args.lr), "--max-update", str(args.first_steps), "--log-interval", "1",
+                 "--fp16-init-scale", "4"]
         phases.append((".first", ["--dropout", "0"] + first))
         if gpu:  # against the run with ls_fairseq's masks: rounding-level differences show the masks line up
-            phases.append((".first-dropout", ["--dropout", "0.3"] + first))
+            phases.append((".first-dropout", ["--dropout", str(args.dropout)] + first))
     logs = {}
     for suffix, options in phases:
         procs = []
@@ -318,9 +383,10 @@ def train_all(args, data, write):
     return results
 
 
-def compare(results, compare_from, first_steps):
-    """Each run against the first stock one: the report (for parity.json) and its Markdown table."""
-    stock_name = next(n for n in results if n.startswith("stock"))  # the first: the reference run
+def compare(results, compare_from, first_steps, baseline=None):
+    """Each run against the ``baseline`` (default: the first stock one): the report (for parity.json) and
+    its Markdown table."""
+    stock_name = baseline if baseline in results else next(n for n in results if n.startswith("stock"))
     ref = results[stock_name]
     systems = [n for n in results if n != stock_name]
     report = dict(runs=results, comparisons={})
@@ -373,7 +439,7 @@ def prepare(args, data):
        os.path.join(args.out, "prepare.log"))
 
 
-def main():
+def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--data", help="prepared corpus folder (default: OUT/data, prepared here)")
@@ -381,7 +447,20 @@ def main():
     parser.add_argument("--updates", type=int, default=3000)
     parser.add_argument("--compare-from", type=int, default=200)
     parser.add_argument("--first-steps", type=int, default=20, help="dropout-off check length (0: skip it)")
-    parser.add_argument("--systems", default="ls-fp16-master,ls-bf16-master", help=", ".join(PRECISION))
+    parser.add_argument("--systems", help="comma-separated, of " + ", ".join(PRECISION) + " (default: "
+                        "ls-fp16-master,ls-bf16-master on a GPU, ls-fp32 on the CPU; --seeds: stock's too)")
+    parser.add_argument("--baseline", help="the system the others are compared with (default: stock-fp16 on a GPU, "
+                        "stock-fp32 on the CPU)")
+    parser.add_argument("--arch", default="ls_transformer_wmt_en_de", help="the ls architecture (stock's: its namesake)")
+    parser.add_argument("--width", type=int, help="embedding dimension, encoder and decoder (default: the arch's)")
+    parser.add_argument("--ffn", type=int, help="FFN dimension, encoder and decoder (default: the arch's)")
+    parser.add_argument("--layers", type=int, help="encoder and decoder layers, each (default: the arch's)")
+    parser.add_argument("--heads", type=int, help="attention heads (default: the arch's)")
+    parser.add_argument("--max-tokens", type=int, default=8192)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--warmup-updates", type=int, default=1000)
+    parser.add_argument("--dropout", type=float, default=0.3)
+    parser.add_argument("--clip-norm", type=float, default=0.0, help="fairseq's (0: no clipping)")
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--no-noise-floor", dest="noise_floor", action="store_false",
                         help="leave out the stock runs with their own and with other dropout masks (on a GPU the "
@@ -389,12 +468,16 @@ def main():
     parser.add_argument("--rescore", action="store_true", help="only score OUT's hypotheses and report again")
     parser.add_argument("--seeds", help="issue 35's protocol over these seeds, e.g. 1,2,3 (the module docstring)")
     parser.add_argument("extra", nargs="*", help="options for every fairseq-train run (after --)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    args = parse()
     os.makedirs(args.out, exist_ok=True)
     data = args.data or os.path.join(args.out, "data")
 
     def write(results):
-        report, text = compare(results, args.compare_from, args.first_steps)
+        report, text = compare(results, args.compare_from, args.first_steps, args.baseline)
         with open(os.path.join(args.out, "parity.json"), "w") as f:
             json.dump(report, f, indent=1)
         with open(os.path.join(args.out, "parity.md"), "w") as f:
@@ -404,10 +487,11 @@ def main():
     if args.seeds:
         prepare(args, data)
         train_seeds(args, data)
-        report, text = seed_report(args.out, args.compare_from)
-        with open(os.path.join(args.out, "seeds.json"), "w") as f:
+        report, text = seed_report(args.out, args.compare_from, args.baseline)
+        stem = os.path.join(args.out, "seeds" + ("-vs-" + args.baseline if args.baseline else ""))
+        with open(stem + ".json", "w") as f:
             json.dump(report, f, indent=1)
-        with open(os.path.join(args.out, "seeds.md"), "w") as f:
+        with open(stem + ".md", "w") as f:
             f.write(text + "\n")
         print(text)
         return

@@ -178,6 +178,32 @@ def test_linear_keeps_unfit_shapes_in_the_run_dtype():
         assert torch.equal(a, b)
 
 
+def test_first_pass_logs_each_gemms_shape_and_why_it_does_not_fit_once(caplog):
+    recipe = Fp8Recipe(forward=["fits", "vocab", "tokens"], dgrad=["fits", "vocab"])
+    g = torch.Generator().manual_seed(2)
+    cases = {"fits": (48, 96), "vocab": (48, 2008), "tokens": (20, 96)}  # name: (tokens M, outputs N)
+    gemms = {name: recipe.gemm(name) for name in cases}
+    caplog.set_level("INFO", logger="ls_fairseq.ops.fp8_cast")
+    for step in range(3):
+        recipe.begin(torch.device("cpu"))
+        for name, (m, n) in cases.items():
+            x = torch.randn(2, m // 2, 64, generator=g, requires_grad=True)
+            w = torch.randn(n, 64, generator=g, requires_grad=True)
+            ops.linear(x, w, fp8=gemms[name]).sum().backward()
+        if step == 0:
+            assert not caplog.records  # the shapes are logged when the first step is done
+    lines = {r.getMessage().split(":")[1].strip(): r.getMessage() for r in caplog.records}
+    assert len(caplog.records) == 3 and set(lines) == set(cases)  # once, one line a name
+    assert lines["fits"] == ("--ls-fp8: fits: forward x W^T in FP8 at [M x K x N] 48x64x96; "
+                             "dgrad dY W in FP8 at [M x K x N] 48x96x64")
+    assert "forward x W^T asked for FP8 but in the run's dtype: N = 2008 not a multiple of 16 (the dictionary's " \
+        "size: fairseq-preprocess --padding-factor 16 makes it fit) ([M x K x N] 48x64x2008)" in lines["vocab"]
+    assert "dgrad dY W asked for FP8 but in the run's dtype: K = 2008 not a multiple of 16" in lines["vocab"]
+    assert "forward x W^T in FP8 where the batch's token count M is a multiple of 16" in lines["tokens"]
+    assert "not the first batch's M = 20): [M x K x N] 20x64x96" in lines["tokens"]
+    assert "dgrad" not in lines["tokens"]  # not asked for
+
+
 def test_model_with_ls_fp8_trains_and_evaluates_in_the_run_dtype():
     seed = torch.randint(0, 2**31, ()).item()
     print("seed", seed)

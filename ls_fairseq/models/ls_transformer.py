@@ -122,10 +122,13 @@ class LSTransformerConfig(FairseqDataclass):
     ls_fp8: bool = field(
         default=False,
         metadata={
-            "help": "training GEMMs on FP8 tensor cores (sm_89 and later; on the CPU the same math in fp32): "
-            "the operands cast to FP8 with delayed per-tensor scales, fp32 accumulation, the rest of the step "
-            "in the run's dtype; which GEMMs by --ls-fp8-forward and --ls-fp8-dgrad; validation and "
-            "translation stay in the run's dtype"
+            "help": "experimental (its convergence is not yet shown, docs/parity.md): training GEMMs in FP8, "
+            "each operand scaled by its delayed per-tensor scale and rounded to float8 (e4m3; output gradients "
+            "e5m2 by default), saturating; on FP8 tensor cores (sm_89 and later) with fp32 accumulation, on the "
+            "CPU a reference that rounds through torch's float8 dtypes the same way and multiplies the rounded "
+            "values in fp32; the rest of the step in the run's dtype; only GEMMs whose M (the batch's tokens), "
+            "K and N are multiples of 16 (the first step's log names each GEMM and its shape); the first step, "
+            "validation and translation stay in the run's dtype; which GEMMs: the two options below"
         },
     )
     ls_fp8_forward: str = field(

@@ -19,12 +19,18 @@ casts needs no second pass over x (current scaling reads x once for its amax, on
 CUDA graph replays it: the scale is never on the host. Fp8Recipe.begin, at each training forward,
 moves every tensor's step amax into its history. The first forward pass of a run (and of a resume:
 the state is not saved) finds no history: the layers then run their GEMMs in the run's dtype and
-only record amaxes (``calibrating``).
+only record amaxes (``calibrating``). That pass also notes each chosen GEMM's shape, and the next
+``begin`` logs them, one line a layer name: which GEMMs run in FP8 at which [M, K, N], and which do
+not fit (a size that is not a multiple of 16).
 """
+import logging
+
 import torch
 
 from ls_fairseq.ops import dispatch
 from ls_fairseq.ops.dispatch import _C
+
+logger = logging.getLogger(__name__)
 
 LARGEST = {False: 448.0, True: 57344.0}  # float8_e4m3fn, float8_e5m2
 FP8_DTYPE = {False: torch.float8_e4m3fn, True: torch.float8_e5m2}
@@ -111,6 +117,30 @@ def fp8_fits(*sizes):
     return all(n % 16 == 0 and n > 0 for n in sizes)
 
 
+def _unfit(m, k, n):
+    """The sizes of an [m, k] x [k, n] product that keep it off the FP8 GEMM, e.g. "N = 2008"."""
+    return ["{} = {}".format(d, v) for d, v in zip("MKN", (m, k, n)) if not fp8_fits(v)]
+
+
+def _describe(name, kind, shapes):
+    """The layer ``name``'s GEMMs of one kind (``kind``: "forward x W^T" or "dgrad dY W"; ``shapes``:
+    {(m, k, n): count}) as the log says them."""
+    fit = {s: c for s, c in shapes.items() if fp8_fits(*s)}
+    listed = ", ".join("{}x{}x{}{}".format(*s, " (x{})".format(c) if c > 1 else "") for s, c in shapes.items())
+    if len(fit) == len(shapes):
+        return "{} in FP8 at [M x K x N] {}".format(kind, listed)
+    static = sorted({u for s in shapes for u in _unfit(*s) if not u.startswith("M")})
+    if static:
+        why = " and ".join(static) + " not a multiple of 16"
+        if name == "vocab":
+            why += " (the dictionary's size: fairseq-preprocess --padding-factor 16 makes it fit)"
+        return "{} asked for FP8 but in the run's dtype: {} ([M x K x N] {})".format(kind, why, listed)
+    first = sorted({m for m, _, _ in shapes if not fp8_fits(m)})
+    return ("{} in FP8 where the batch's token count M is a multiple of 16 (every batch's with "
+            "--required-seq-len-multiple 16; not the first batch's M = {}): [M x K x N] {}".format(
+                kind, ", ".join(map(str, first)), listed))
+
+
 class Fp8Recipe:
     """The delayed-scaling state of a model's FP8 tensors: one fp32 row [history, step amax, inverse
     scale] a tensor, reserved at construction (``reserve``) and allocated on the device of the first
@@ -126,13 +156,14 @@ class Fp8Recipe:
         self.history, self.grad_e5m2 = history, grad_e5m2
         self.forward, self.dgrad = frozenset(forward), frozenset(dgrad)
         self.rows, self.state, self.passes = 0, None, 0
+        self.shapes, self.logged = {}, False  # the first pass's {name: {kind: {(m, k, n): count}}}
 
     def gemm(self, name):
         """A new Fp8Gemm for the linear layer ``name`` of the model (its rows reserved), or None when
         neither of its GEMMs is chosen (``forward``, ``dgrad``: the chosen names)."""
         if name not in self.forward and name not in self.dgrad:
             return None
-        return Fp8Gemm(self, name in self.forward, name in self.dgrad)
+        return Fp8Gemm(self, name, name in self.forward, name in self.dgrad)
 
     def reserve(self, n):
         """The first of ``n`` new rows."""
@@ -152,7 +183,23 @@ class Fp8Recipe:
             shifted = torch.cat([amax[:, None], self.state[:, : H - 1]], dim=1)
             self.state[:, :H].copy_(torch.where((amax > 0)[:, None], shifted, self.state[:, :H]))
             self.state[:, H].zero_()
+            if not self.logged:
+                self.log_gemms()
         self.passes += 1
+
+    def note(self, gemm, kind, m, k, n):
+        """The run's first pass runs ``gemm``'s ``kind`` GEMM ("forward" or "dgrad") at [m, k] x [k, n]."""
+        if self.passes == 1 and not self.logged:
+            counts = self.shapes.setdefault(gemm.name, {}).setdefault(kind, {})
+            counts[(m, k, n)] = counts.get((m, k, n), 0) + 1
+
+    def log_gemms(self):
+        """Logs the first pass's GEMMs, one line a layer name (the module docstring), once."""
+        self.logged = True
+        for name, kinds in sorted(self.shapes.items()):
+            logger.info("--ls-fp8: {}: {}".format(name, "; ".join(
+                _describe(name, "forward x W^T" if kind == "forward" else "dgrad dY W", shapes)
+                for kind, shapes in sorted(kinds.items(), key=lambda kv: kv[0] != "forward"))))
 
     @property
     def calibrating(self):
@@ -171,8 +218,8 @@ class Fp8Gemm:
     """One linear layer's FP8 choice and its rows in an Fp8Recipe: ``forward`` (x and W in e4m3 for
     y = x W^T) and ``dgrad`` (dy in e5m2, or e4m3, and W for dx = dy W). Rows: x, W, dy."""
 
-    def __init__(self, recipe, forward, dgrad):
-        self.recipe, self.forward, self.dgrad = recipe, forward, dgrad
+    def __init__(self, recipe, name, forward, dgrad):
+        self.recipe, self.name, self.forward, self.dgrad = recipe, name, forward, dgrad
         self.first = recipe.reserve(3)
 
     @property

@@ -56,6 +56,7 @@ def _forward(x, weight, heads, fp8):
         if recipe.calibrating:
             if fp8.forward:
                 recipe.observe(row, x2)
+                recipe.note(fp8, "forward", *x2.shape, weight.shape[0])
             recipe.observe(row + 1, weight)
         return F.linear(x, weight), None
     w8, w8t = fp8_cast(weight, recipe.row(row + 1), rowwise=fp8.forward, transposed=fp8.dgrad)
@@ -73,6 +74,7 @@ def _input_gradient(dy, weight, fp8, w8t):
     if w8t is None or not fp8_fits(*dy2.shape, weight.shape[1]):
         if fp8 is not None and fp8.dgrad and fp8.recipe.calibrating:
             fp8.recipe.observe(fp8.first + 2, dy2)
+            fp8.recipe.note(fp8, "dgrad", *dy2.shape, weight.shape[1])
         return None
     recipe, row = fp8.recipe, fp8.first
     dy8, _ = fp8_cast(dy2, recipe.row(row + 2), e5m2=recipe.grad_e5m2)

@@ -6,6 +6,9 @@
 #   bash prepare.sh [--work DIR] [--vocab-size N]          # download WMT14 (needs a network)
 #   bash prepare.sh --from DIR [--work DIR] [--vocab-size N] # offline: DIR/{train,valid,test}.{en,de}[.gz]
 #
+# The dictionary is padded to a multiple of 16 types (--padding-factor, fairseq's default is 8), so
+# that the output projection's GEMM fits --ls-fp8 (its N must be a multiple of 16).
+#
 # Every step leaves a marker in WORK/.done/ and is skipped when run again, so a
 # failed run resumes where it stopped. Result: WORK/data-bin (binarized) and
 # WORK/raw/test.{en,de} (the untouched test text that BLEU is scored against).
@@ -16,13 +19,15 @@ FROM=""
 VOCAB=32000
 RATIO=1.5
 MAXLEN=250
+PADDING=16
 while [ $# -gt 0 ]; do
   case "$1" in
     --from) FROM=$2; shift 2 ;;
     --work) WORK=$2; shift 2 ;;
     --vocab-size) VOCAB=$2; shift 2 ;;
     --ratio) RATIO=$2; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --padding-factor) PADDING=$2; shift 2 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "prepare.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -99,7 +104,7 @@ if ! is_done binarize; then
   rm -rf "$WORK/data-bin"
   fairseq-preprocess --source-lang en --target-lang de \
     --trainpref "$WORK/spm_text/train.clean" --validpref "$WORK/spm_text/valid" --testpref "$WORK/spm_text/test" \
-    --destdir "$WORK/data-bin" --joined-dictionary --workers "${WORKERS:-2}" > "$WORK/preprocess.log" 2>&1 \
+    --destdir "$WORK/data-bin" --joined-dictionary --padding-factor "$PADDING" --workers "${WORKERS:-2}" > "$WORK/preprocess.log" 2>&1 \
     || { tail -20 "$WORK/preprocess.log" >&2; exit 1; }
   done_ binarize
 fi
