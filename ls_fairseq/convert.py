@@ -319,7 +319,7 @@ def ctranslate2_input(state, checkpoint, data_dir=None, source_lang=None, target
     stock one with cfg["model"] an argparse.Namespace (``args`` None) that names the dictionaries'
     folder, languages and the translation task."""
     if any(".qkv_proj." in k for k in state["model"]):
-        state = convert(state, to_ls=False)
+        state = convert(dict(state, last_optimizer_state=None), to_ls=False)  # no notice about an unused state
     model_cfg = _stock_model_cfg(state)
     task_cfg = _plain(state.get("cfg") or {}).get("task") or {}
     arch = model_cfg.get("arch") or model_cfg.get("_name")
