@@ -552,26 +552,37 @@ SAMPLING = {
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLING))
-def test_sampling_draws_follow_fairseqs_distribution(few, name):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sampling_draws_follow_fairseqs_distribution(few, name, device):
     """100,000 first tokens drawn by the generator (250 copies of one sentence, beam 100: step 0's
     draws with replacement) against fairseq's distribution after its masks (pad, the unk penalty, EOS
     below the minimum length) and its top-k / top-p cut: no token outside the kept set, and a
-    chi-square test at a fixed seed."""
+    chi-square test at a fixed seed. On the GPU from the default generator, so that the draws of
+    step 0 replay from a CUDA graph after the first batch."""
     model, task, batches = few
     options = SAMPLING[name]
     d = task.target_dictionary
     src = batches[0]["net_input"]["src_tokens"][3]
     src = src[src.ne(d.pad())]
     copies, beam, rounds = 250, 100, 4
-    batch = {"id": torch.arange(copies), "net_input": {"src_tokens": src.repeat(copies, 1),
-                                                       "src_lengths": torch.full((copies,), src.numel())}}
-    gen = LSSequenceGenerator([model], d, beam_size=beam, max_len_a=0, max_len_b=1, min_len=1, unk_penalty=1.0,
-                              sampling=True, generator=torch.Generator().manual_seed(12345), **options)
+    batch = {"id": torch.arange(copies), "net_input": {"src_tokens": src.repeat(copies, 1).to(device),
+                                                       "src_lengths": torch.full((copies,), src.numel()).to(device)}}
+    generator = torch.Generator().manual_seed(12345) if device == "cpu" else None
+    torch.manual_seed(12345)
     counts = torch.zeros(len(d), dtype=torch.float64)
-    for _ in range(rounds):
-        for hypos in gen.generate([model], batch):
-            assert len(hypos) == beam and all(h["tokens"].numel() == 2 and h["tokens"][1] == d.eos() for h in hypos)
-            counts += torch.bincount(torch.stack([h["tokens"][0] for h in hypos]), minlength=len(d)).double()
+    try:
+        model.to(device)
+        gen = LSSequenceGenerator([model], d, beam_size=beam, max_len_a=0, max_len_b=1, min_len=1, unk_penalty=1.0,
+                                  sampling=True, generator=generator, **options)
+        for _ in range(rounds):
+            for hypos in gen.generate([model], batch):
+                assert len(hypos) == beam and all(h["tokens"].numel() == 2 and h["tokens"][1] == d.eos()
+                                                  for h in hypos)
+                counts += torch.bincount(torch.stack([h["tokens"][0] for h in hypos]).cpu(), minlength=len(d)).double()
+    finally:
+        model.cpu()
+    if device == "cuda":
+        assert gen.step_graph.captured >= 1
     n = copies * beam * rounds
     assert counts.sum() == n >= 100_000
     ids, probs = next_token_reference(model, task, src, options.get("temperature", 1.0), 1.0,
@@ -929,9 +940,11 @@ def test_gpu_half_precision_bleu_within_a_tenth_of_fairseqs(loaded, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_no_host_synchronisation_inside_the_decoding_steps(loaded, monkeypatch):
+@pytest.mark.parametrize("options", [dict(), dict(sampling=True, sampling_topp=0.9, temperature=0.8),
+                                     dict(sampling=True, sampling_topk=10)])
+def test_gpu_no_host_synchronisation_inside_the_decoding_steps(loaded, monkeypatch, options):
     """CUDA's sync debug mode raises at any synchronising call from the first decoding step on, but
-    at the generator's sync points."""
+    at the generator's sync points; beam search and sampling."""
     model, task, batches = loaded
     model = model.cuda()
     decode_step = model.decoder.decode_step
@@ -950,7 +963,7 @@ def test_gpu_no_host_synchronisation_inside_the_decoding_steps(loaded, monkeypat
     monkeypatch.setattr(model.decoder, "decode_step", strict_step)
     monkeypatch.setattr(sequence_generator, "host_read", read)
     try:
-        gen = LSSequenceGenerator([model], task.target_dictionary, beam_size=4, sync_every=8)
+        gen = LSSequenceGenerator([model], task.target_dictionary, beam_size=4, sync_every=8, **options)
         batch = {k: v.cuda() if torch.is_tensor(v) else {n: t.cuda() for n, t in v.items()} if isinstance(v, dict) else v
                  for k, v in batches[0].items()}
         hypos = gen.generate([model], batch)
@@ -1010,3 +1023,27 @@ def test_step_graph_warms_up_only_at_a_larger_extent_and_holds_its_pool(monkeypa
                                  "eager", "capture", "eager", "replay",  # c: 128 warms up
                                  "capture", "eager", "replay"]  # d: 64 was warmed
     assert graph.captured == 4
+
+
+@pytest.mark.gpu
+def test_gpu_sampling_replays_from_graphs_and_repeats_with_the_seed(loaded):
+    """Sampling on the GPU with CUDA graphs: every sentence gets beam finished samples, best first, and
+    the same seed (fairseq's --seed: the default generator) gives the same samples, another seed others."""
+    model, task, batches = loaded
+    model = model.cuda()
+    try:
+        gen = LSSequenceGenerator([model], task.target_dictionary, beam_size=4, sampling=True, sampling_topp=0.9,
+                                  **CAPPED)
+
+        def draw(seed):
+            torch.manual_seed(seed)
+            return translate(gen, model, batches, device="cuda")
+
+        first = draw(3)
+        assert gen.step_graph.captured >= 1
+        assert_same_nbest(first, draw(3))
+        other = draw(4)
+        assert any(not torch.equal(first[i][0]["tokens"], other[i][0]["tokens"]) for i in first)
+        assert all(len(h) == 4 for h in first.values())
+    finally:
+        model.cpu()
