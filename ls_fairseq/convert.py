@@ -279,8 +279,9 @@ def find_dictionaries(checkpoint, data_dir, recorded_data, source_lang, target_l
         if src is None or tgt is None:
             from fairseq.data.data_utils import infer_language_pair
 
-            src, tgt = infer_language_pair(place)
-            if src is None:
+            inferred = infer_language_pair(place)
+            src, tgt = src or inferred[0], tgt or inferred[1]
+            if src is None or tgt is None:
                 raise ConversionError(
                     "{} holds the dictionaries of {} but no binarized data that says which is the source: give "
                     "--source-lang and --target-lang".format(place, ", ".join(found)))
@@ -293,14 +294,13 @@ def find_dictionaries(checkpoint, data_dir, recorded_data, source_lang, target_l
             " or ".join(places)))
 
 
-def _check_dictionaries(state, folder, src, tgt):
+def _check_dictionaries(state, recorded, folder, src, tgt):
     """The dictionaries in ``folder`` are the ones ``state`` was trained with: the embedding tables'
-    sizes, and the fingerprints an ls_fairseq checkpoint records."""
+    sizes, and ``recorded``, the fingerprints an ls_fairseq checkpoint records (extra_state)."""
     import hashlib
 
     from fairseq.data import Dictionary
 
-    recorded = (state.get("extra_state") or {}).get("ls_dictionaries", {})
     for side, lang, key in (("source", src, "encoder.embed_tokens.weight"), ("target", tgt, "decoder.embed_tokens.weight")):
         path = os.path.join(folder, "dict.{}.txt".format(lang))
         d = Dictionary.load(path)
@@ -318,6 +318,7 @@ def ctranslate2_input(state, checkpoint, data_dir=None, source_lang=None, target
     """(stock checkpoint dict that CTranslate2's fairseq converter reads, dictionaries' folder): a
     stock one with cfg["model"] an argparse.Namespace (``args`` None) that names the dictionaries'
     folder, languages and the translation task."""
+    recorded = (state.get("extra_state") or {}).get("ls_dictionaries", {})
     if any(".qkv_proj." in k for k in state["model"]):
         state = convert(dict(state, last_optimizer_state=None), to_ls=False)  # no notice about an unused state
     model_cfg = _stock_model_cfg(state)
@@ -330,7 +331,7 @@ def ctranslate2_input(state, checkpoint, data_dir=None, source_lang=None, target
         checkpoint, data_dir, model_cfg.get("data") or task_cfg.get("data"),
         source_lang or model_cfg.get("source_lang") or task_cfg.get("source_lang"),
         target_lang or model_cfg.get("target_lang") or task_cfg.get("target_lang"))
-    _check_dictionaries(state, folder, src, tgt)
+    _check_dictionaries(state, recorded, folder, src, tgt)
     model_cfg.update(arch=arch, _name=arch, task="translation", data=folder, source_lang=src, target_lang=tgt,
                      user_dir=None)
     cfg = dict(_plain(state.get("cfg") or {}), model=argparse.Namespace(**model_cfg))

@@ -147,10 +147,11 @@ def test_to_ctranslate2_bad_input_gets_a_clear_error(tmp_path, monkeypatch):
     d = Dictionary()
     for w in "abcdef":
         d.add_symbol(w)
-    torch.save({"args": None, "cfg": {"model": argparse.Namespace(arch="transformer", task="translation", data=None),
-                                     "task": {"_name": "translation"}},
-                "model": {"encoder.embed_tokens.weight": torch.zeros(len(d), 4),
-                          "decoder.embed_tokens.weight": torch.zeros(len(d), 4)}}, ckpt)
+    state = {"args": None, "cfg": {"model": argparse.Namespace(arch="transformer", task="translation", data=None),
+                                   "task": {"_name": "translation"}},
+             "model": {"encoder.embed_tokens.weight": torch.zeros(len(d), 4),
+                       "decoder.embed_tokens.weight": torch.zeros(len(d), 4)}}
+    torch.save(state, ckpt)
     with pytest.raises(convert.ConversionError, match="no dictionaries .* --data-dir"):
         convert.to_ctranslate2(str(ckpt), str(tmp_path / "out"))
     data = tmp_path / "data"
@@ -161,6 +162,11 @@ def test_to_ctranslate2_bad_input_gets_a_clear_error(tmp_path, monkeypatch):
         convert.to_ctranslate2(str(ckpt), str(tmp_path / "out"), data_dir=str(data))
     with pytest.raises(convert.ConversionError, match="no dict.fr.txt"):
         convert.to_ctranslate2(str(ckpt), str(tmp_path / "out"), data_dir=str(data), source_lang="fr", target_lang="de")
+    state["extra_state"] = {"ls_dictionaries": {"target": {"size": len(d), "sha256": "0" * 16}}}
+    torch.save(state, tmp_path / "recorded.pt")
+    with pytest.raises(convert.ConversionError, match=r"dict.de.txt is not the target dictionary .*\(sha256 0{16} there"):
+        convert.to_ctranslate2(str(tmp_path / "recorded.pt"), str(tmp_path / "out"), data_dir=str(data),
+                               source_lang="en", target_lang="de")
     d.add_symbol("g")
     d.save(str(data / "dict.de.txt"))
     with pytest.raises(convert.ConversionError, match="dict.de.txt has 11 entries, the checkpoint's decoder"):
