@@ -1,7 +1,8 @@
-"""Convert checkpoints between ls_transformer and fairseq's transformer.
+"""Convert checkpoints between ls_transformer and fairseq's transformer, and to CTranslate2.
 
   python -m ls_fairseq.convert to-fairseq   IN.pt OUT.pt   # ls -> stock (loads without the plugin)
   python -m ls_fairseq.convert from-fairseq IN.pt OUT.pt   # stock -> ls (fine-tune with the plugin)
+  python -m ls_fairseq.convert to-ctranslate2 IN.pt OUT_DIR [--data-dir DIR] [--quantization int8]
 
 Weights: ls_transformer names its parameters as fairseq does except for two
 fused projections (see ls_fairseq.models.ls_transformer): ``qkv_proj`` =
@@ -12,12 +13,26 @@ everything else is kept. The round trip is exact for both. The optimizer
 state is dropped (with a notice): the two optimizers keep different layouts.
 The written config holds only plain containers (no argparse.Namespace, no
 meters), so the output loads with torch's weights_only=True.
+
+to-ctranslate2 (needs the ``ctranslate2`` package: ``pip install ls_fairseq[ctranslate2]``)
+takes an ls or a stock checkpoint and writes a CTranslate2 model directory through
+CTranslate2's own fairseq converter. That converter reads the model's configuration
+from the checkpoint as an argparse.Namespace and builds a registered stock model, so
+the checkpoint is turned into a stock one in memory (as to-fairseq does) and handed to
+it in a temporary file whose ``cfg["model"]`` is a Namespace; every load keeps torch's
+weights_only on (the Namespace type allowed within the call only). The dictionaries
+(``dict.SRC.txt``, ``dict.TGT.txt``) come from ``--data-dir``, else from the
+checkpoint's folder, else from the data directory the checkpoint was trained on; where
+the checkpoint recorded its dictionaries' fingerprints, those found must match them.
 """
 import argparse
+import contextlib
+import glob
 import logging
 import os
 import re
 import sys
+import tempfile
 
 import torch
 
@@ -206,11 +221,166 @@ def save_atomic(state, path):
     os.replace(tmp, path)
 
 
+QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
+
+
+@contextlib.contextmanager
+def _fairseq_types_allowed():
+    """torch's weights_only loading with fairseq's checkpoint types allowed, within the block only."""
+    from ls_fairseq.checkpoint import FAIRSEQ_CHECKPOINT_TYPES
+
+    with torch.serialization.safe_globals(list(FAIRSEQ_CHECKPOINT_TYPES)):
+        yield
+
+
+def load_checkpoint(path):
+    """A checkpoint file's dict, loaded with weights_only=True."""
+    with _fairseq_types_allowed():
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _plain(cfg):
+    if cfg is None or isinstance(cfg, dict):
+        return cfg
+    if isinstance(cfg, argparse.Namespace):
+        return dict(vars(cfg))
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg)
+
+
+def _stock_model_cfg(state):
+    """A stock checkpoint's model configuration as a plain dict (from ``args`` in old checkpoints)."""
+    if state.get("args") is not None:
+        return _plain(state["args"])
+    model = _plain(state.get("cfg") or {}).get("model")
+    if model is None:
+        raise ConversionError("the checkpoint has neither 'args' nor cfg['model']: no model configuration")
+    return _plain(model)
+
+
+def find_dictionaries(checkpoint, data_dir, recorded_data, source_lang, target_lang):
+    """(folder, source_lang, target_lang): where dict.SRC.txt and dict.TGT.txt are; ``data_dir`` if
+    given, else the checkpoint's folder, else ``recorded_data`` (the data the checkpoint was trained
+    on). The languages are the given ones, else inferred from fairseq's file names in the folder."""
+    if data_dir is not None:
+        if not os.path.isdir(data_dir):
+            raise ConversionError("--data-dir {}: no such directory".format(data_dir))
+        places = [data_dir]
+    else:
+        places = [os.path.dirname(os.path.abspath(checkpoint))]
+        if recorded_data:
+            places.append(recorded_data.split(os.pathsep)[0])
+    for place in places:
+        found = sorted(os.path.basename(f)[len("dict."):-len(".txt")] for f in glob.glob(os.path.join(place, "dict.*.txt")))
+        if not found:
+            continue
+        src, tgt = source_lang, target_lang
+        if src is None or tgt is None:
+            from fairseq.data.data_utils import infer_language_pair
+
+            inferred = infer_language_pair(place)
+            src, tgt = src or inferred[0], tgt or inferred[1]
+            if src is None or tgt is None:
+                raise ConversionError(
+                    "{} holds the dictionaries of {} but no binarized data that says which is the source: give "
+                    "--source-lang and --target-lang".format(place, ", ".join(found)))
+        missing = [lang for lang in (src, tgt) if lang not in found]
+        if missing:
+            raise ConversionError("{} has no dict.{}.txt".format(place, missing[0]))
+        return place, src, tgt
+    raise ConversionError(
+        "no dictionaries (dict.SRC.txt, dict.TGT.txt) in {}: give the data-bin directory with --data-dir".format(
+            " or ".join(places)))
+
+
+def _check_dictionaries(state, recorded, folder, src, tgt):
+    """The dictionaries in ``folder`` are the ones ``state`` was trained with: the embedding tables'
+    sizes, and ``recorded``, the fingerprints an ls_fairseq checkpoint records (extra_state)."""
+    import hashlib
+
+    from fairseq.data import Dictionary
+
+    for side, lang, key in (("source", src, "encoder.embed_tokens.weight"), ("target", tgt, "decoder.embed_tokens.weight")):
+        path = os.path.join(folder, "dict.{}.txt".format(lang))
+        d = Dictionary.load(path)
+        rows = state["model"][key].shape[0] if key in state["model"] else len(d)
+        if rows != len(d):
+            raise ConversionError("{} has {} entries, the checkpoint's {} {} rows: another dictionary".format(
+                path, len(d), key, rows))
+        sha = hashlib.sha256("\n".join(d.symbols).encode()).hexdigest()[:16]
+        if side in recorded and recorded[side] != {"size": len(d), "sha256": sha}:
+            raise ConversionError("{} is not the {} dictionary the checkpoint was trained with (sha256 {} there, "
+                                  "{} here)".format(path, side, recorded[side]["sha256"], sha))
+
+
+def ctranslate2_input(state, checkpoint, data_dir=None, source_lang=None, target_lang=None):
+    """(stock checkpoint dict that CTranslate2's fairseq converter reads, dictionaries' folder): a
+    stock one with cfg["model"] an argparse.Namespace (``args`` None) that names the dictionaries'
+    folder, languages and the translation task."""
+    recorded = (state.get("extra_state") or {}).get("ls_dictionaries", {})
+    if any(".qkv_proj." in k for k in state["model"]):
+        state = convert(dict(state, last_optimizer_state=None), to_ls=False)  # no notice about an unused state
+    model_cfg = _stock_model_cfg(state)
+    task_cfg = _plain(state.get("cfg") or {}).get("task") or {}
+    arch = model_cfg.get("arch") or model_cfg.get("_name")
+    task = model_cfg.get("task") or task_cfg.get("_name") or "translation"
+    if task != "translation":
+        raise ConversionError("the checkpoint's task is {!r}; to-ctranslate2 converts translation models".format(task))
+    folder, src, tgt = find_dictionaries(
+        checkpoint, data_dir, model_cfg.get("data") or task_cfg.get("data"),
+        source_lang or model_cfg.get("source_lang") or task_cfg.get("source_lang"),
+        target_lang or model_cfg.get("target_lang") or task_cfg.get("target_lang"))
+    _check_dictionaries(state, recorded, folder, src, tgt)
+    model_cfg.update(arch=arch, _name=arch, task="translation", data=folder, source_lang=src, target_lang=tgt,
+                     user_dir=None)
+    cfg = dict(_plain(state.get("cfg") or {}), model=argparse.Namespace(**model_cfg))
+    return {"args": None, "cfg": cfg, "model": state["model"]}, folder
+
+
+def to_ctranslate2(checkpoint, output_dir, data_dir=None, quantization=None, source_lang=None, target_lang=None,
+                   force=False):
+    """Write the CTranslate2 model of ``checkpoint`` (ls or stock) to ``output_dir``; returns it."""
+    try:
+        from ctranslate2.converters import FairseqConverter
+    except ImportError as e:
+        raise ConversionError("to-ctranslate2 needs CTranslate2: pip install ctranslate2 (or ls_fairseq[ctranslate2]) "
+                              "({})".format(e)) from e
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ConversionError("--quantization {}: one of {}".format(quantization, ", ".join(QUANTIZATIONS)))
+    if os.path.exists(output_dir) and not force:
+        raise ConversionError("{} exists (--force replaces it)".format(output_dir))
+    state, folder = ctranslate2_input(load_checkpoint(checkpoint), checkpoint, data_dir, source_lang, target_lang)
+    with tempfile.TemporaryDirectory(prefix="ls_fairseq_ct2_") as tmp:
+        stock = os.path.join(tmp, "stock.pt")
+        torch.save(state, stock)
+        del state
+        converter = FairseqConverter(model_path=stock, data_dir=folder)
+        with _fairseq_types_allowed():
+            return converter.convert(output_dir, quantization=quantization, force=force)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m ls_fairseq.convert", description=__doc__.split("\n\n")[0])
-    parser.add_argument("direction", choices=["to-fairseq", "from-fairseq"])
-    parser.add_argument("input")
-    parser.add_argument("output")
+    sub = parser.add_subparsers(dest="direction", required=True, metavar="{to-fairseq,from-fairseq,to-ctranslate2}")
+    for name, what in (("to-fairseq", "ls_transformer -> fairseq's transformer"),
+                       ("from-fairseq", "fairseq's transformer -> ls_transformer")):
+        p = sub.add_parser(name, help=what, description=what)
+        p.add_argument("input", help="the checkpoint")
+        p.add_argument("output", help="the converted checkpoint's path")
+    p = sub.add_parser("to-ctranslate2", help="an ls or stock checkpoint -> a CTranslate2 model directory",
+                       description="An ls or stock fairseq checkpoint -> a CTranslate2 model directory "
+                                   "(ctranslate2.Translator loads it).")
+    p.add_argument("input", help="the checkpoint (ls_transformer or fairseq's transformer)")
+    p.add_argument("output", help="the CTranslate2 model directory to write")
+    p.add_argument("--data-dir", help="the folder of dict.SRC.txt and dict.TGT.txt (default: the checkpoint's "
+                                      "folder, else the data-bin it was trained on)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="the weights' type (default: as in the checkpoint); int8 for CPUs, float16/bfloat16 or "
+                        "int8_float16 for GPUs")
+    p.add_argument("--source-lang", help="the source language (default: the checkpoint's, else the data-bin's)")
+    p.add_argument("--target-lang", help="the target language (default: as the source)")
+    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import ls_fairseq  # noqa: F401 (registers the checkpoint types)
@@ -218,12 +388,15 @@ def main(argv=None):
     if not os.path.isfile(args.input):
         parser.error("no such checkpoint: {}".format(args.input))
     try:
-        state = torch.load(args.input, map_location="cpu", weights_only=True)
-        out = convert(state, to_ls=args.direction == "from-fairseq")
+        if args.direction == "to-ctranslate2":
+            to_ctranslate2(args.input, args.output, args.data_dir, args.quantization, args.source_lang,
+                           args.target_lang, args.force)
+        else:
+            out = convert(load_checkpoint(args.input), to_ls=args.direction == "from-fairseq")
+            save_atomic(out, args.output)
     except ConversionError as e:
         print("convert: {}: {}".format(args.input, e), file=sys.stderr)
         return 1
-    save_atomic(out, args.output)
     logger.info("convert: wrote %s (%s)", args.output, args.direction)
     return 0
 

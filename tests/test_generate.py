@@ -419,6 +419,12 @@ def test_bad_input_gets_a_clear_error(few):
         LSSequenceGenerator([model], d, no_repeat_ngram_size=1)
     with pytest.raises(ValueError, match="temperature"):
         LSSequenceGenerator([model], d, temperature=0.0)
+    with pytest.raises(ValueError, match="require --sampling"):
+        LSSequenceGenerator([model], d, sampling_topk=5)
+    with pytest.raises(ValueError, match="require --sampling"):
+        LSSequenceGenerator([model], d, sampling_topp=0.9)
+    with pytest.raises(ValueError, match="--sampling-topk 0"):
+        LSSequenceGenerator([model], d, sampling=True, sampling_topk=0)
 
 
 def test_the_task_builds_the_ls_generator_or_falls_back_with_a_notice(loaded, caplog):
@@ -438,7 +444,7 @@ def test_the_task_builds_the_ls_generator_or_falls_back_with_a_notice(loaded, ca
     cases = [
         ([model, model], Namespace(beam=4), "an ensemble of 2 models"),
         ([stock], Namespace(beam=4), "not ls_transformer"),
-        ([model], Namespace(beam=4, sampling=True), "--sampling True"),
+        ([model], Namespace(beam=4, diversity_rate=0.5), "--diversity-rate 0.5"),
         ([model], Namespace(beam=4, diverse_beam_groups=2), "--diverse-beam-groups 2"),
         ([model], Namespace(beam=4, match_source_len=True), "--match-source-len True"),
         ([model], Namespace(beam=4, constraints="ordered"), "--constraints ordered"),
@@ -456,11 +462,204 @@ def test_the_task_builds_the_ls_generator_or_falls_back_with_a_notice(loaded, ca
                                             extra_gen_cls_kwargs={"lm_model": model, "lm_weight": 0.5})
     assert "prefix_allowed_tokens_fn" in unsupported([model], Namespace(beam=4), task.target_dictionary,
                                                      prefix_allowed_tokens_fn=lambda b, t: [])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ls_fairseq.generation"):
+        gen = task.build_generator([model], Namespace(beam=4, sampling=True, sampling_topp=0.9, temperature=0.7))
+    assert isinstance(gen, LSSequenceGenerator) and gen.sampling and gen.sampling_topp == 0.9
+    assert gen.temperature == 0.7 and "ls_fairseq: sampling on the device" in caplog.text
+    with pytest.raises(ValueError, match="require --sampling"):
+        task.build_generator([model], Namespace(beam=4, sampling_topk=3))
     from fairseq.tasks.translation import TranslationTask
 
     wrapper = TranslationTask.build_generator
     ls_fairseq.generation.install()  # importing the plugin again wraps nothing twice
     assert TranslationTask.build_generator is wrapper and wrapper.ls_fairseq_wrapped
+
+
+# sampling (fairseq's search.Sampling) in the ls generator
+
+
+def test_sampling_top_k_1_is_greedy(loaded):
+    """--sampling --sampling-topk 1 --beam 1: greedy's hypotheses and scores, the ls generator's and
+    fairseq's (beam 1 and its own Sampling)."""
+    from fairseq.search import Sampling
+
+    model, task, batches = loaded
+    d = task.target_dictionary
+    greedy = translate(LSSequenceGenerator([model], d, beam_size=1, **CAPPED), model, batches)
+    sampled = translate(LSSequenceGenerator([model], d, beam_size=1, sampling=True, sampling_topk=1, **CAPPED), model,
+                        batches)
+    assert_same_nbest(greedy, sampled)
+    stock = translate(SequenceGenerator([model], d, beam_size=1, search_strategy=Sampling(d, 1), **CAPPED), model,
+                      batches)
+    assert_same_nbest(stock, sampled)
+    assert_same_nbest(translate(stock_generator(model, task, beam_size=1, **CAPPED), model, batches), sampled)
+
+
+def next_token_reference(model, task, src_tokens, temperature, unk_penalty, topk, topp):
+    """fairseq's Sampling at step 0 (EOS barred by the minimum length) for one source sentence:
+    (kept tokens, their probabilities as drawn, normalised), from a full forward pass, the masks
+    of fairseq's SequenceGenerator and search.Sampling's own cut."""
+    import math
+
+    from fairseq.search import Sampling
+
+    d = task.target_dictionary
+    with torch.no_grad():
+        logits, _ = model(src_tokens[None], torch.tensor([src_tokens.numel()]), torch.tensor([[d.eos()]]))
+    lprobs = torch.log_softmax(logits[0, -1:].float() / temperature, dim=-1)
+    lprobs[:, d.pad()] = -math.inf
+    lprobs[:, d.unk()] -= unk_penalty
+    lprobs[:, d.eos()] = -math.inf
+    search = Sampling(d, topk, topp)
+    if topp > 0:
+        probs, ids = search._sample_topp(lprobs.view(1, 1, -1).clone())
+    elif topk > 0:
+        top, ids = lprobs.view(1, 1, -1).topk(topk)
+        probs = top.exp()
+    else:
+        probs, ids = lprobs.exp().view(1, 1, -1), torch.arange(len(d)).view(1, 1, -1)
+    probs, ids = probs.view(-1).double(), ids.view(-1)
+    ids, probs = ids[probs > 0], probs[probs > 0]
+    return ids, probs / probs.sum()
+
+
+def chi_square(counts, expected):
+    """(p-value, degrees of freedom) of the counts against the expected ones, the cells expected below
+    5 pooled into one."""
+    from scipy.stats import chisquare
+
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum().view(1)]) if small.any() else counts
+    wanted = torch.cat([expected[~small], expected[small].sum().view(1)]) if small.any() else expected
+    if small.any() and wanted[-1] < 5:  # the pooled cell itself too small: into the smallest other
+        observed, wanted = observed[:-1].clone(), wanted[:-1].clone()
+        j = int(wanted.argmin())
+        observed[j] += counts[small].sum()
+        wanted[j] += expected[small].sum()
+    return chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item()).pvalue, \
+        observed.numel() - 1
+
+
+SAMPLING = {
+    "plain": dict(),
+    "top-k": dict(sampling_topk=20),
+    "top-p": dict(sampling_topp=0.8),
+    "top-k-overridden-by-top-p": dict(sampling_topk=3, sampling_topp=0.6),
+    "temperature-0.6-top-p": dict(temperature=0.6, sampling_topp=0.9),
+    "temperature-1.7": dict(temperature=1.7),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLING))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sampling_draws_follow_fairseqs_distribution(few, name, device):
+    """100,000 first tokens drawn by the generator (250 copies of one sentence, beam 100: step 0's
+    draws with replacement) against fairseq's distribution after its masks (pad, the unk penalty, EOS
+    below the minimum length) and its top-k / top-p cut: no token outside the kept set, and a
+    chi-square test at a fixed seed. On the GPU from the default generator, so that the draws of
+    step 0 replay from a CUDA graph after the first batch."""
+    model, task, batches = few
+    options = SAMPLING[name]
+    d = task.target_dictionary
+    src = batches[0]["net_input"]["src_tokens"][3]
+    src = src[src.ne(d.pad())]
+    copies, beam, rounds = 250, 100, 4
+    batch = {"id": torch.arange(copies), "net_input": {"src_tokens": src.repeat(copies, 1).to(device),
+                                                       "src_lengths": torch.full((copies,), src.numel()).to(device)}}
+    generator = torch.Generator().manual_seed(12345) if device == "cpu" else None
+    torch.manual_seed(12345)
+    counts = torch.zeros(len(d), dtype=torch.float64)
+    try:
+        model.to(device)
+        gen = LSSequenceGenerator([model], d, beam_size=beam, max_len_a=0, max_len_b=1, min_len=1, unk_penalty=1.0,
+                                  sampling=True, generator=generator, **options)
+        for _ in range(rounds):
+            for hypos in gen.generate([model], batch):
+                assert len(hypos) == beam and all(h["tokens"].numel() == 2 and h["tokens"][1] == d.eos()
+                                                  for h in hypos)
+                counts += torch.bincount(torch.stack([h["tokens"][0] for h in hypos]).cpu(), minlength=len(d)).double()
+    finally:
+        model.cpu()
+    if device == "cuda":
+        assert gen.step_graph.captured >= 1
+    n = copies * beam * rounds
+    assert counts.sum() == n >= 100_000
+    ids, probs = next_token_reference(model, task, src, options.get("temperature", 1.0), 1.0,
+                                      options.get("sampling_topk", -1), options.get("sampling_topp", -1.0))
+    outside = torch.ones(len(d), dtype=torch.bool)
+    outside[ids] = False
+    assert counts[outside].sum() == 0, "drawn outside the kept set: {}".format(outside.nonzero().view(-1)[
+        counts[outside] > 0].tolist())
+    if "sampling_topk" in options and "sampling_topp" not in options:
+        assert ids.numel() == options["sampling_topk"]
+    assert ids.numel() > 1
+    p, dof = chi_square(counts[ids], n * probs)
+    assert p > 0.001, (p, dof)
+
+
+def test_sampling_seeds_scores_and_the_order_of_samples(few):
+    """The same seed gives the same samples (a generator of one's own, or the default one as fairseq's
+    --seed sets it), another seed others; every sentence gets beam finished samples, best first, each
+    scored as fairseq scores it: positional scores the model's log-probabilities at the temperature,
+    the score their sum over the length ** lenpen."""
+    model, task, batches = few
+    d = task.target_dictionary
+    options = dict(beam_size=4, sampling=True, sampling_topp=0.9, temperature=0.8, len_penalty=0.6, **CAPPED)
+
+    def draw(seed, own=True):
+        if not own:
+            torch.manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed) if own else None
+        return translate(LSSequenceGenerator([model], d, generator=generator, **options), model, batches)
+
+    first = draw(7)
+    assert_same_nbest(first, draw(7))
+    assert_same_nbest(draw(8, own=False), draw(8, own=False))
+    other = draw(9)
+    assert any(not torch.equal(first[i][0]["tokens"], other[i][0]["tokens"]) for i in first)
+    sources = {i: s for b in batches for i, s in zip(b["id"].tolist(), b["net_input"]["src_tokens"])}
+    for i, hypos in first.items():
+        assert len(hypos) == 4
+        assert [float(h["score"]) for h in hypos] == sorted((float(h["score"]) for h in hypos), reverse=True)
+        src = sources[i][sources[i].ne(d.pad())]
+        for h in hypos:
+            tokens = h["tokens"]
+            assert tokens[-1] == d.eos() and not tokens[:-1].eq(d.eos()).any()
+            prev = torch.cat([torch.tensor([d.eos()]), tokens[:-1]])
+            with torch.no_grad():
+                logits, _ = model(src[None], torch.tensor([src.numel()]), prev[None])
+            lprobs = torch.log_softmax(logits[0].float() / 0.8, dim=-1).gather(1, tokens[:, None]).view(-1)
+            torch.testing.assert_close(h["positional_scores"], lprobs, atol=1e-4, rtol=0)
+            assert abs(float(h["score"]) - float(lprobs.sum()) / tokens.numel() ** 0.6) <= 1e-4
+    # samples, not a search: the 4 of a sentence differ among themselves somewhere
+    assert any(len({tuple(h["tokens"].tolist()) for h in hypos}) > 1 for hypos in first.values())
+
+
+def test_sample_next_keeps_fairseqs_sets_and_draws_by_the_inverse_cdf(monkeypatch):
+    """sample_next on hand-made rows: top-p keeps the token that crosses p (also when the mass never
+    reaches p), top-k exactly k, -inf tokens never; the draw is the first token whose cumulative weight
+    exceeds u x total, for u at the ends of [0, 1)."""
+    import math
+
+    from ls_fairseq.generation.sequence_generator import sample_next
+
+    lp = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0]]).log()
+    for u, want in ((0.0, 0), (0.49, 0), (0.51, 1), (1.0 - 2 ** -24, 3)):
+        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full(a[0], u))
+        tokens, lps = sample_next(lp)
+        assert tokens.tolist() == [want] and lps.tolist() == [lp[0, want].item()]
+        tokens, _ = sample_next(lp, topp=0.79)
+        assert tokens.item() in (0, 1)
+        tokens, _ = sample_next(lp, topk=2)
+        assert tokens.item() in (0, 1)
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full(a[0], 1.0 - 2 ** -24))
+    assert sample_next(lp, topp=0.81)[0].item() == 2  # the token that crosses p is kept
+    assert sample_next(lp, topp=0.96)[0].item() == 3
+    assert sample_next(lp, topp=0.999)[0].item() == 3  # the mass never reaches p: all weighted ones
+    assert sample_next(lp, topk=3)[0].item() == 2
+    masked = torch.tensor([[-math.inf, 0.0, -math.inf]])
+    assert sample_next(masked)[0].item() == 1 and sample_next(masked, topk=3)[0].item() == 1
 
 
 # fairseq-generate and fairseq-interactive through the plugin
@@ -510,6 +709,30 @@ def test_fairseq_generate_runs_the_ls_generator_and_equals_stock(data_bin, train
     unknown = run([bin_path("fairseq-generate"), str(data_bin / "data-bin"), "--user-dir", USER_DIR, "--path",
                    str(trained), "--no-such-option", "3"] + args)
     assert unknown.returncode != 0 and "unrecognized arguments: --no-such-option" in unknown.stderr
+
+
+@pytest.mark.slow
+def test_fairseq_generate_and_interactive_sample_with_the_ls_generator(data_bin, trained):
+    """--sampling --sampling-topk 1 --beam 1 through the plugin: the ls generator says so in one line
+    and gives greedy's hypotheses."""
+    args = ["--cpu", "--beam", "1", "--max-len-b", "30", "--remove-bpe", "sentencepiece"]
+    common = [str(data_bin / "data-bin"), "--user-dir", USER_DIR, "--path", str(trained)] + args
+    sampled = run([bin_path("fairseq-generate")] + common + ["--gen-subset", "test", "--batch-size", "64", "--sampling",
+                                                             "--sampling-topk", "1"])
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    log = sampled.stdout + sampled.stderr
+    assert log.count("ls_fairseq: sampling on the device") == 1 and "fairseq's generator" not in log
+    greedy = run([bin_path("fairseq-generate")] + common + ["--gen-subset", "test", "--batch-size", "64"])
+    assert greedy.returncode == 0, greedy.stderr[-3000:]
+    assert len(hypotheses(sampled.stdout)) == 200
+    assert_same_output(hypotheses(sampled.stdout), hypotheses(greedy.stdout))
+    lines = (data_bin / "spm_text" / "test.en").read_text(encoding="utf-8").splitlines()[:8]
+    interactive = run([bin_path("fairseq-interactive")] + common + ["--source-lang", "en", "--target-lang", "de",
+                                                                    "--sampling", "--sampling-topp", "0.9"],
+                      input="\n".join(lines) + "\n")
+    assert interactive.returncode == 0, interactive.stderr[-3000:]
+    log = interactive.stdout + interactive.stderr
+    assert log.count("ls_fairseq: sampling on the device") == 1 and len(hypotheses(interactive.stdout)) == 8
 
 
 @pytest.mark.slow
@@ -717,9 +940,11 @@ def test_gpu_half_precision_bleu_within_a_tenth_of_fairseqs(loaded, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_no_host_synchronisation_inside_the_decoding_steps(loaded, monkeypatch):
+@pytest.mark.parametrize("options", [dict(), dict(sampling=True, sampling_topp=0.9, temperature=0.8),
+                                     dict(sampling=True, sampling_topk=10)])
+def test_gpu_no_host_synchronisation_inside_the_decoding_steps(loaded, monkeypatch, options):
     """CUDA's sync debug mode raises at any synchronising call from the first decoding step on, but
-    at the generator's sync points."""
+    at the generator's sync points; beam search and sampling."""
     model, task, batches = loaded
     model = model.cuda()
     decode_step = model.decoder.decode_step
@@ -738,7 +963,7 @@ def test_gpu_no_host_synchronisation_inside_the_decoding_steps(loaded, monkeypat
     monkeypatch.setattr(model.decoder, "decode_step", strict_step)
     monkeypatch.setattr(sequence_generator, "host_read", read)
     try:
-        gen = LSSequenceGenerator([model], task.target_dictionary, beam_size=4, sync_every=8)
+        gen = LSSequenceGenerator([model], task.target_dictionary, beam_size=4, sync_every=8, **options)
         batch = {k: v.cuda() if torch.is_tensor(v) else {n: t.cuda() for n, t in v.items()} if isinstance(v, dict) else v
                  for k, v in batches[0].items()}
         hypos = gen.generate([model], batch)
@@ -798,3 +1023,27 @@ def test_step_graph_warms_up_only_at_a_larger_extent_and_holds_its_pool(monkeypa
                                  "eager", "capture", "eager", "replay",  # c: 128 warms up
                                  "capture", "eager", "replay"]  # d: 64 was warmed
     assert graph.captured == 4
+
+
+@pytest.mark.gpu
+def test_gpu_sampling_replays_from_graphs_and_repeats_with_the_seed(loaded):
+    """Sampling on the GPU with CUDA graphs: every sentence gets beam finished samples, best first, and
+    the same seed (fairseq's --seed: the default generator) gives the same samples, another seed others."""
+    model, task, batches = loaded
+    model = model.cuda()
+    try:
+        gen = LSSequenceGenerator([model], task.target_dictionary, beam_size=4, sampling=True, sampling_topp=0.9,
+                                  **CAPPED)
+
+        def draw(seed):
+            torch.manual_seed(seed)
+            return translate(gen, model, batches, device="cuda")
+
+        first = draw(3)
+        assert gen.step_graph.captured >= 1
+        assert_same_nbest(first, draw(3))
+        other = draw(4)
+        assert any(not torch.equal(first[i][0]["tokens"], other[i][0]["tokens"]) for i in first)
+        assert all(len(h) == 4 for h in first.values())
+    finally:
+        model.cpu()

@@ -5,7 +5,7 @@ need ``--task`` on every command. Instead, importing the plugin (``--user-dir ls
 ``TranslationTask.build_generator``, which fairseq-generate, fairseq-interactive, the hub interface
 and --eval-bleu all call: when the one model is an ls_transformer and every generation option is
 one that ``LSSequenceGenerator`` implements, it returns that generator (logging one line saying
-so); otherwise fairseq's own generator, with one line naming the reason. Tasks derived from
+so: beam search or sampling); otherwise fairseq's own generator, with one line naming the reason. Tasks derived from
 TranslationTask that define their own build_generator are left as they are.
 """
 import logging
@@ -19,9 +19,6 @@ __all__ = ["LSSequenceGenerator", "install", "unsupported"]
 # generation options (fairseq's GenerationConfig) that only fairseq's generators implement, with
 # the value that means "off"
 _OFF = {
-    "sampling": False,
-    "sampling_topk": -1,
-    "sampling_topp": -1.0,
     "diverse_beam_groups": -1,
     "diversity_rate": -1.0,
     "match_source_len": False,
@@ -58,7 +55,7 @@ def unsupported(models, args, tgt_dict, seq_gen_cls=None, extra_gen_cls_kwargs=N
     if extra:
         return "generator arguments {}".format(sorted(extra))
     beam = min(getattr(args, "beam", 5), len(tgt_dict) - 1)
-    if 2 * beam > len(tgt_dict) - 1:
+    if 2 * beam > len(tgt_dict) - 1 and not getattr(args, "sampling", False):
         return "--beam {} with a vocabulary of {} symbols".format(beam, len(tgt_dict))
     if getattr(args, "temperature", 1.0) <= 0:
         return "--temperature {}".format(args.temperature)
@@ -77,7 +74,8 @@ def install():
         reason = unsupported(models, args, self.target_dictionary, seq_gen_cls, extra_gen_cls_kwargs,
                              prefix_allowed_tokens_fn)
         if reason is None:
-            logger.info("ls_fairseq: beam search on the device (ls_fairseq.generation.LSSequenceGenerator)")
+            logger.info("ls_fairseq: %s on the device (ls_fairseq.generation.LSSequenceGenerator)",
+                        "sampling" if getattr(args, "sampling", False) else "beam search")
             return LSSequenceGenerator.from_args(models, self.target_dictionary, args)
         logger.info("ls_fairseq: fairseq's generator (%s)", reason)
         return stock(self, models, args, seq_gen_cls=seq_gen_cls, extra_gen_cls_kwargs=extra_gen_cls_kwargs,

@@ -24,6 +24,19 @@ next sync point, so that the device works while the host captures. Finished sent
 the batch run on without effect until then. On a GPU the batch runs on a stream of its own (the
 CUDA graphs' capture stream) and the results are assembled on the caller's.
 
+Sampling (``sampling``; fairseq's search.Sampling with SequenceGenerator) runs in the same loop,
+the same steps and graphs: each of the beam hypotheses of a sentence draws its next token from
+its own distribution (fairseq's log-probabilities above, temperature included, exponentiated and
+not renormalised; at step 0 every hypothesis is the same, so the beam draws are the first beam's,
+with replacement), cut to the ``sampling_topk`` most likely tokens, or where ``sampling_topp`` is
+set (it overrides top-k) to the smallest set of most likely tokens whose mass reaches p, the one
+that crosses p kept. The draw is by the inverse of the kept tokens' cumulative distribution at a
+uniform number from torch.rand on the device (``sample_next``): the device's default generator,
+which fairseq's --seed seeds, or the ``generator`` given. A hypothesis that draws EOS is finished
+(score its cumulative log-probability, with the length penalty) and runs on as a dead one (score
+-inf) that never finishes again; a sentence is done with beam finished samples, given back best
+first.
+
 Two deliberate differences, both where fairseq's own results are not defined by its search:
 - the order among candidates of exactly equal score (fairseq's is torch.topk's, unspecified;
   here the lower beam, then the lower token, first; finished hypotheses of equal score keep the
@@ -116,6 +129,10 @@ class LSSequenceGenerator(nn.Module):
         compact_fraction=None,
         cuda_graphs=True,
         deferred_reads=None,
+        sampling=False,
+        sampling_topk=-1,
+        sampling_topp=-1.0,
+        generator=None,
     ):
         """``models``: one ls_transformer model; the other arguments as fairseq's SequenceGenerator's.
         ``sync_every``: steps between the host's reads of the done flags (default: 1 for a model on
@@ -126,7 +143,10 @@ class LSSequenceGenerator(nn.Module):
         ``deferred_reads``: make a compaction decided at a sync point at the next one, and read that
         one's flags only once the step after it is launched (default: where the steps run through
         CUDA graphs), so that the device runs an interval's steps while the host compacts the batch
-        and captures the next step's graph, instead of waiting idle for them."""
+        and captures the next step's graph, instead of waiting idle for them. ``sampling``,
+        ``sampling_topk``, ``sampling_topp``: fairseq's sampling instead of beam search (see the module
+        docstring); ``generator``: the torch.Generator on the model's device it draws from (default:
+        the device's default one; on a GPU a generator of its own runs the steps without CUDA graphs)."""
         super().__init__()
         if len(models) != 1:
             raise ValueError("LSSequenceGenerator: one model, not an ensemble of {}".format(len(models)))
@@ -135,13 +155,20 @@ class LSSequenceGenerator(nn.Module):
                 no_repeat_ngram_size))
         if temperature <= 0:
             raise ValueError("--temperature must be greater than 0")
+        if not sampling and (sampling_topk > 0 or sampling_topp > 0):
+            raise ValueError("--sampling-topk and --sampling-topp require --sampling (got --sampling-topk {}, "
+                             "--sampling-topp {})".format(sampling_topk, sampling_topp))
+        if sampling_topk == 0 or sampling_topk < -1:
+            raise ValueError("--sampling-topk {}: a positive number of tokens, or -1 for all".format(sampling_topk))
         self.model = models[0]
         self.tgt_dict = tgt_dict
         self.pad, self.unk, self.eos = tgt_dict.pad(), tgt_dict.unk(), tgt_dict.eos()
         self.symbols_to_strip_from_output = {self.eos}
         self.vocab_size = len(tgt_dict)
         self.beam_size = min(beam_size, self.vocab_size - 1)
-        if 2 * self.beam_size > self.vocab_size - 1:
+        self.sampling, self.sampling_topk, self.sampling_topp = sampling, sampling_topk, sampling_topp
+        self.generator = generator
+        if not sampling and 2 * self.beam_size > self.vocab_size - 1:
             raise ValueError("LSSequenceGenerator: beam {} needs a vocabulary of more than {} symbols ({})".format(
                 self.beam_size, 2 * self.beam_size + 1, self.vocab_size))
         self.max_len_a, self.max_len_b, self.min_len = max_len_a, max_len_b, min_len
@@ -169,6 +196,9 @@ class LSSequenceGenerator(nn.Module):
             unk_penalty=getattr(args, "unkpen", 0),
             temperature=getattr(args, "temperature", 1.0),
             no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
+            sampling=getattr(args, "sampling", False),
+            sampling_topk=getattr(args, "sampling_topk", -1),
+            sampling_topp=getattr(args, "sampling_topp", -1.0),
         )
 
     def cuda(self):
@@ -198,6 +228,8 @@ class LSSequenceGenerator(nn.Module):
             compact_fraction = 0.0 if device.type == "cpu" else 0.25
 
         graph = self.step_graph if graphs_on(device) else None
+        if self.sampling and self.generator is not None:
+            graph = None  # a capture replays the default generator's draws only
         if graph is None or device.type != "cuda":
             return self._search(sample, prefix_tokens, bos_token, graph, sync_every, compact_fraction).results()
         # the whole batch on the graphs' stream (one cuBLAS workspace, not one per stream); the results
@@ -222,7 +254,7 @@ class LSSequenceGenerator(nn.Module):
         encoder_out = self.model.encoder.forward_torchscript(net_input)
         cache = DecoderCache(self.model.decoder, encoder_out, k, min(INITIAL_CAPACITY, max_len + 1), max_len + 1,
                              buffers)
-        s = _State.start(B, k, max_len + 1, device, self.pad, take)
+        s = _State.start(B, k, max_len + 1, device, self.pad, take, every_beam=self.sampling)
         s.tokens[:, 0] = self.eos if bos_token is None else bos_token
         parents = take("parents", (B * k,), torch.long, device).zero_()  # each hypothesis's, for the next step
         t = take("t", (), torch.long, device)  # the step, where the step's ops read it
@@ -319,6 +351,17 @@ class LSSequenceGenerator(nn.Module):
             cache.reorder(parents)
         cache.begin_step(t, length)
         logits = self.model.decoder.decode_step(s.tokens.gather(1, t.expand(s.tokens.shape[0], 1)), cache)
+        if self.sampling:
+            tokens, lp = sample_next(self._log_probs(logits, t, step, max_len, s, prefix_tokens), self.sampling_topk,
+                                     self.sampling_topp, self.generator)
+            # candidates for beam_advance: each hypothesis's draw (an EOS finishes it), then the same draws
+            # at -inf, which continue in the place of those finished as dead hypotheses
+            values = (s.cum + lp).view(-1, k)
+            index = torch.arange(k, device=tokens.device) * V + tokens.view(-1, k)
+            values = torch.cat([values, torch.full_like(values, -math.inf)], dim=1)
+            beam_advance(values, torch.cat([index, index], dim=1), t, s, parents, self.eos, self.pad, V,
+                         self.len_penalty, self.normalize_scores, advance=step != max_len)
+            return
         if self.temperature == 1.0 and self._ordinary(step, max_len, prefix_tokens):
             # the log-probabilities' rules of an ordinary step and the cumulative scores in one op
             scores = beam_scores(logits, s.cum, t, self.pad, self.unk, self.unk_penalty, self.eos, self.min_len)
@@ -385,6 +428,35 @@ class LSSequenceGenerator(nn.Module):
         after = seen[:, n - 1 : n - 1 + windows]
         lprobs.scatter_add_(1, after, torch.where(match, -math.inf, 0.0))
 
+def sample_next(lprobs, topk=-1, topp=-1.0, generator=None):
+    """fairseq's Sampling draw, one token per row of ``lprobs`` [N, V] (fp32 log-probabilities after
+    the temperature and the masks): (tokens [N] int64, their log-probabilities [N]). The weights are
+    exp(lprobs), not renormalised; where ``topp`` > 0 only the smallest set of most likely tokens
+    whose cumulative mass (in descending order, as fairseq sums it) reaches ``topp``, the token that
+    crosses it included; else where ``topk`` > 0 the ``topk`` most likely. The token is the first
+    whose cumulative weight exceeds u x the total, u uniform in [0, 1) from torch.rand on lprobs's
+    device with ``generator``: batched tensor ops, nothing read back to the host."""
+    if topp > 0:
+        weights, ids = lprobs.exp().sort(dim=1, descending=True)
+        mass = weights.cumsum(dim=1)
+        # kept: the first token, and every one after a position where the mass is still below p
+        kept = torch.cat([torch.ones_like(mass[:, :1], dtype=torch.bool), mass[:, :-1].lt(topp)], dim=1)
+        weights = weights.masked_fill(~kept, 0.0)
+    elif topk > 0:
+        weights, ids = lprobs.topk(min(topk, lprobs.shape[1]), dim=1)
+        weights = weights.exp()
+    else:
+        weights, ids = lprobs.exp(), None
+    cdf = weights.cumsum(dim=1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, device=lprobs.device, dtype=cdf.dtype)
+    # below the total, so that the token found has a weight above 0
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    pos = torch.searchsorted(cdf, x, right=True).clamp_max_(cdf.shape[1] - 1)
+    tokens = pos if ids is None else ids.gather(1, pos)
+    return tokens.view(-1), lprobs.gather(1, tokens).view(-1)
+
+
 class _State:
     """The search's tensors for the sentences still in the batch (``sentence``: their numbers in the
     batch as given) and the output buffers, where sentences' results go when they leave it."""
@@ -396,13 +468,14 @@ class _State:
         self.__dict__.update(tensors)
 
     @classmethod
-    def start(cls, B, k, L, device, pad, take=new_tensor):
+    def start(cls, B, k, L, device, pad, take=new_tensor, every_beam=False):
         """The state at step 0; ``take``: where its tensors come from (generation.graphs.Buffers.take
-        when they must keep their memory from batch to batch)."""
+        when they must keep their memory from batch to batch); ``every_beam``: every beam starts alive
+        (sampling), not only the first (beam search)."""
         N = B * k
         cum = take("cum", (N,), torch.float32, device)
         cum.view(B, k)[:, 0] = 0.0
-        cum.view(B, k)[:, 1:] = -math.inf
+        cum.view(B, k)[:, 1:] = 0.0 if every_beam else -math.inf
         s = cls(
             k,
             tokens=take("tokens", (N, L + 1), torch.long, device).fill_(pad),

@@ -1,0 +1,179 @@
+"""python -m ls_fairseq.convert to-ctranslate2: a trained model's CTranslate2 translations against
+fairseq-generate's on the same weights, from an ls checkpoint and from a stock one."""
+import gzip
+import os
+import re
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO, USER_DIR, bin_path, run
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+sacrebleu = pytest.importorskip("sacrebleu")
+
+from ls_fairseq import convert  # noqa: E402
+
+# fairseq-generate's options and CTranslate2's that decode the same way (the README's table)
+BEAM_OPTIONS = {1: dict(lenpen=1.0), 4: dict(lenpen=0.6)}
+MAX_LEN_B = 200
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The whole embedded training corpus (33k pairs; the test fixtures' 3k give a model of BLEU
+    near 0) and the first 200 test pairs, prepared by the recipe with a 1000-piece vocabulary."""
+    root = tmp_path_factory.mktemp("deploy_corpus")
+    src = root / "text"
+    src.mkdir()
+    for split, n in {"train": None, "valid": 100, "test": 200}.items():
+        for lang in ("en", "de"):
+            with gzip.open(os.path.join(REPO, "data", "lohelp", "{}.{}.gz".format(split, lang)), "rt",
+                           encoding="utf-8") as f:
+                lines = f.readlines()[:n]
+            (src / "{}.{}".format(split, lang)).write_text("".join(lines), encoding="utf-8")
+    work = root / "work"
+    proc = run(["bash", os.path.join(REPO, "recipes", "wmt14_en_de", "prepare.sh"), "--from", str(src), "--work",
+                str(work), "--vocab-size", "1000", "--ratio", "2.5"],
+               env={"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return work
+
+
+@pytest.fixture(scope="module")
+def ls_checkpoint(corpus, tmp_path_factory):
+    """ls_transformer_tiny trained for 1000 updates (about two minutes on two CPU cores): test BLEU
+    about 4 at beam 4."""
+    save = tmp_path_factory.mktemp("deploy_ckpt")
+    proc = run([bin_path("fairseq-train"), str(corpus / "data-bin"), "--user-dir", USER_DIR, "--save-dir", str(save),
+                "--arch", "ls_transformer_tiny", "--share-all-embeddings", "--dropout", "0.1",
+                "--criterion", "ls_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+                "--optimizer", "ls_adam", "--adam-betas", "(0.9,0.98)", "--lr", "5e-3", "--lr-scheduler", "inverse_sqrt",
+                "--warmup-updates", "100", "--clip-norm", "1.0", "--max-tokens", "4096", "--max-update", "1000",
+                "--cpu", "--num-workers", "0", "--no-progress-bar", "--log-interval", "500", "--disable-validation",
+                "--no-epoch-checkpoints", "--seed", "1"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return save / "checkpoint_last.pt"
+
+
+@pytest.fixture(scope="module")
+def stock_checkpoint(ls_checkpoint, tmp_path_factory):
+    path = tmp_path_factory.mktemp("deploy_stock") / "stock.pt"
+    proc = run([bin_path("python"), "-m", "ls_fairseq.convert", "to-fairseq", str(ls_checkpoint), str(path)])
+    assert proc.returncode == 0, proc.stderr
+    return path
+
+
+def fairseq_generate(corpus, checkpoint, beam, plugin):
+    """(fairseq-generate's best hypothesis per test sentence as SentencePiece pieces {id: str}, its
+    sentences/s)."""
+    args = [bin_path("fairseq-generate"), str(corpus / "data-bin"), "--path", str(checkpoint), "--cpu",
+            "--gen-subset", "test", "--beam", str(beam), "--lenpen", str(BEAM_OPTIONS[beam]["lenpen"]),
+            "--max-len-b", str(MAX_LEN_B), "--batch-size", "100"]
+    proc = run(args + (["--user-dir", USER_DIR] if plugin else []))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("ls_fairseq: beam search on the device" in proc.stdout + proc.stderr) == plugin
+    found = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("H-"):
+            i, _, text = line[2:].split("\t")
+            found[int(i)] = text
+    speed = re.search(r"Translated .* \(([\d.]+) sentences/s", proc.stdout + proc.stderr)
+    return found, float(speed.group(1))
+
+
+def ctranslate2_translate(model_dir, sources, beam, compute_type):
+    translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type=compute_type, intra_threads=2)
+    start = time.perf_counter()
+    out = translator.translate_batch(
+        [s.split() for s in sources], beam_size=beam, length_penalty=BEAM_OPTIONS[beam]["lenpen"],
+        max_decoding_length=MAX_LEN_B, min_decoding_length=1, max_batch_size=100)
+    seconds = time.perf_counter() - start
+    return [" ".join(r.hypotheses[0]) for r in out], len(sources) / seconds
+
+
+def detok(pieces):
+    """fairseq's --remove-bpe sentencepiece."""
+    return pieces.replace(" ", "").replace("\u2581", " ").strip()
+
+
+def bleu(hypotheses, references):
+    return sacrebleu.corpus_bleu([detok(h) for h in hypotheses], [references]).score
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["ls", "stock"])
+def test_ctranslate2_translates_as_fairseq_generate(corpus, ls_checkpoint, stock_checkpoint, tmp_path, source):
+    checkpoint = ls_checkpoint if source == "ls" else stock_checkpoint
+    sources = (corpus / "spm_text" / "test.en").read_text(encoding="utf-8").splitlines()
+    references = (corpus / "raw" / "test.de").read_text(encoding="utf-8").splitlines()
+    assert len(sources) == len(references) == 200
+    # the dictionaries from --data-dir for one, from the folder of the data the checkpoint was trained on
+    # for the other
+    models = {}
+    for quantization in ("float32", "int8"):
+        out = tmp_path / "ct2-{}".format(quantization)
+        extra = ["--data-dir", str(corpus / "data-bin")] if source == "ls" else []
+        proc = run([bin_path("python"), "-m", "ls_fairseq.convert", "to-ctranslate2", str(checkpoint), str(out),
+                    "--quantization", quantization] + extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        models[quantization] = out
+
+    report = {}
+    for beam in (1, 4):
+        ref, fairseq_speed = fairseq_generate(corpus, checkpoint, beam, plugin=source == "ls")
+        ref = [ref[i] for i in range(len(sources))]
+        hyp, speed = ctranslate2_translate(models["float32"], sources, beam, "float32")
+        same = sum(a == b for a, b in zip(ref, hyp)) / len(ref)
+        report[beam] = dict(identical=same, fairseq_bleu=bleu(ref, references), ct2_bleu=bleu(hyp, references),
+                            ct2_sentences_per_s=speed, fairseq_sentences_per_s=fairseq_speed)
+        assert same >= 0.95, (beam, same, [(a, b) for a, b in zip(ref, hyp) if a != b][:3])
+        if beam == 4:
+            int8, int8_speed = ctranslate2_translate(models["int8"], sources, beam, "int8")
+            report[beam].update(int8_bleu=bleu(int8, references), int8_sentences_per_s=int8_speed)
+    print(source, report)
+    assert report[4]["fairseq_bleu"] > 2.5, report  # a model whose BLEU means something
+    assert abs(report[4]["ct2_bleu"] - report[4]["fairseq_bleu"]) <= 0.5, report
+    assert abs(report[4]["int8_bleu"] - report[4]["fairseq_bleu"]) <= 1.0, report
+
+
+def test_to_ctranslate2_bad_input_gets_a_clear_error(tmp_path, monkeypatch):
+    import argparse
+
+    from fairseq.data import Dictionary
+
+    ckpt = tmp_path / "model.pt"
+    d = Dictionary()
+    for w in "abcdef":
+        d.add_symbol(w)
+    state = {"args": None, "cfg": {"model": argparse.Namespace(arch="transformer", task="translation", data=None),
+                                   "task": {"_name": "translation"}},
+             "model": {"encoder.embed_tokens.weight": torch.zeros(len(d), 4),
+                       "decoder.embed_tokens.weight": torch.zeros(len(d), 4)}}
+    torch.save(state, ckpt)
+    with pytest.raises(convert.ConversionError, match="no dictionaries .* --data-dir"):
+        convert.to_ctranslate2(str(ckpt), str(tmp_path / "out"))
+    data = tmp_path / "data"
+    data.mkdir()
+    d.save(str(data / "dict.en.txt"))
+    d.save(str(data / "dict.de.txt"))
+    with pytest.raises(convert.ConversionError, match="--source-lang and --target-lang"):
+        convert.to_ctranslate2(str(ckpt), str(tmp_path / "out"), data_dir=str(data))
+    with pytest.raises(convert.ConversionError, match="no dict.fr.txt"):
+        convert.to_ctranslate2(str(ckpt), str(tmp_path / "out"), data_dir=str(data), source_lang="fr", target_lang="de")
+    state["extra_state"] = {"ls_dictionaries": {"target": {"size": len(d), "sha256": "0" * 16}}}
+    torch.save(state, tmp_path / "recorded.pt")
+    with pytest.raises(convert.ConversionError, match=r"dict.de.txt is not the target dictionary .*\(sha256 0{16} there"):
+        convert.to_ctranslate2(str(tmp_path / "recorded.pt"), str(tmp_path / "out"), data_dir=str(data),
+                               source_lang="en", target_lang="de")
+    d.add_symbol("g")
+    d.save(str(data / "dict.de.txt"))
+    with pytest.raises(convert.ConversionError, match="dict.de.txt has 11 entries, the checkpoint's decoder"):
+        convert.to_ctranslate2(str(ckpt), str(tmp_path / "out"), data_dir=str(data), source_lang="en", target_lang="de")
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(convert.ConversionError, match="exists .*--force"):
+        convert.to_ctranslate2(str(ckpt), str(tmp_path / "exists"))
+    monkeypatch.setitem(sys.modules, "ctranslate2.converters", None)
+    with pytest.raises(convert.ConversionError, match="pip install ctranslate2"):
+        convert.to_ctranslate2(str(ckpt), str(tmp_path / "out"))
