@@ -1,19 +1,12 @@
-"""ls_fairseq: fused Transformer training for fairseq (a LightSeq2 re-creation).
+"""ls_fairseq: LightSeq2's fused Transformer training, as a library and as a fairseq plugin.
 
-Importing the package (``import ls_fairseq`` or ``--user-dir .../ls_fairseq``)
-registers the ``ls_transformer`` model and its architectures, the
-``ls_label_smoothed_cross_entropy`` criterion and the ``ls_adam`` optimizer,
-allowlists the types that fairseq checkpoints hold for torch's
-weights_only loading (see ``ls_fairseq.checkpoint``), makes fairseq's
-checkpoint writing atomic (same module), checks the token ids of the data
-fairseq loads against its dictionary (``ls_fairseq.data_checks``), and has
-the translation task translate ls models with ``ls_fairseq.generation``
-(fairseq-generate, fairseq-interactive: see there).
+The core needs torch alone and changes nothing when imported: ``ls_fairseq.ops`` (the fused ops),
+the layers, the workspace Adam (``ls_fairseq.optim.workspace_adam.WorkspaceAdam``, a
+torch.optim.Optimizer) and the fused label-smoothed cross-entropy (``ls_fairseq.loss``).
+
+The fairseq plugin is ``ls_fairseq.fairseq_plugin``: ``--user-dir .../ls_fairseq/fairseq_plugin``
+(or ``ls-fairseq-train``) installs the ``ls_transformer`` model, the
+``ls_label_smoothed_cross_entropy`` criterion, the ``ls_adam`` optimizer and the plugin's hooks
+into fairseq, all listed there.
 """
-from ls_fairseq import checkpoint, criterions, data_checks, generation, models, optim  # noqa: F401
-
-checkpoint.install()
-data_checks.install()
-generation.install()
-
 __version__ = "0.1.0"

@@ -7,14 +7,11 @@ and then padded to 24 a sentence, 1.4x the tensors ``--max-tokens`` allowed for,
 which raises the peak memory accordingly (docs/perf-log.md). ``ls-fairseq-train``
 counts each sentence at its padded length instead, so ``--max-tokens`` bounds the
 padded batch, as it bounds an unpadded one.
-
-Also here: the epoch iterator's first batch collated once (``collate_first_batch_once``).
 """
 import weakref
 
 import numpy as np
 from fairseq.data import BaseWrapperDataset, FairseqDataset
-from fairseq.data.iterators import EpochBatchIterator
 
 
 def round_up(n, multiple):
@@ -51,23 +48,3 @@ def padded_length_datasets(task_dataset, multiple):
         return wrapped[inner]
 
     return dataset
-
-
-_COLLATE_FIRST_BATCH = EpochBatchIterator.first_batch.fget  # fairseq's: collates it on every read
-
-
-def _first_batch_once(iterator):
-    first = iterator.frozen_batches[0] if len(iterator.frozen_batches) else None
-    cached = iterator.__dict__.get("_ls_first_batch")
-    if cached is None or cached[0] is not first:
-        cached = iterator._ls_first_batch = (first, _COLLATE_FIRST_BATCH(iterator))
-    return cached[1]
-
-
-def collate_first_batch_once():
-    """fairseq's trainer reads its epoch iterator's ``first_batch`` (its dummy batch) at the start
-    of every epoch, and the iterator collates the data's first batch again each time, in the main
-    process, while the GPU waits for the epoch's first step. Here the iterator keeps what it collated for as
-    long as its first batch (fairseq's frozen batch list) stays the same, and collates again when
-    fairseq rebuilds that list (``--update-epoch-batch-itr``)."""
-    EpochBatchIterator.first_batch = property(_first_batch_once)

@@ -213,12 +213,13 @@ def main(argv=None):
     parser.add_argument("output")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    import ls_fairseq  # noqa: F401 (registers the checkpoint types)
+    from ls_fairseq.checkpoint import FAIRSEQ_CHECKPOINT_TYPES
 
     if not os.path.isfile(args.input):
         parser.error("no such checkpoint: {}".format(args.input))
     try:
-        state = torch.load(args.input, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(list(FAIRSEQ_CHECKPOINT_TYPES)):  # the types fairseq checkpoints hold
+            state = torch.load(args.input, map_location="cpu", weights_only=True)
         out = convert(state, to_ls=args.direction == "from-fairseq")
     except ConversionError as e:
         print("convert: {}: {}".format(args.input, e), file=sys.stderr)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-USER_DIR = os.path.join(REPO, "ls_fairseq")
+USER_DIR = os.path.join(REPO, "ls_fairseq", "fairseq_plugin")
 
 # Every test draws its random inputs from a seed of its own: a fresh one per test, or the value of
 # this variable for every test, which replays a failure (a failing test's report names its seed).

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-import ls_fairseq  # noqa: F401 (installs the atomic save and copy)
+import ls_fairseq.fairseq_plugin  # noqa: F401 (installs the atomic save and copy)
 from conftest import REPO
 from fairseq import checkpoint_utils
 
