@@ -31,7 +31,7 @@ under the name and with the state of fairseq's wrapper around ls_adam
 (ls_fairseq/optim/mixed_precision.py), and fairseq's meters: the gradient-norm
 sums kept on the device here are saved as fairseq's ``gnorm`` and ``clip``
 averages, and read back from them (``as_fairseq_meters``, ``as_device_meters``).
-So ``fairseq-train --user-dir ls_fairseq`` and ``ls-fairseq-train`` resume each
+So ``fairseq-train --user-dir ls_fairseq/fairseq_plugin`` and ``ls-fairseq-train`` resume each
 other's checkpoints, with the update count, learning-rate schedule, Adam
 moments, loss scale and the interval's and epoch's figures.
 """

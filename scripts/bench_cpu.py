@@ -2,7 +2,7 @@
 
 Runs ``fairseq-train`` (as scripts/run_example.sh does on CPU) for stock ``transformer_tiny``
 with fairseq's label_smoothed_cross_entropy and adam, and for ``ls_transformer_tiny`` with the
-plugin's criterion and optimizer (``--user-dir ls_fairseq``), alternating the two ``--repeats``
+plugin's criterion and optimizer (``--user-dir ls_fairseq/fairseq_plugin``), alternating the two ``--repeats``
 times, and prints a Markdown table: updates/s over the steady log intervals (every interval but
 the first, which holds the start-up), and the wall time of the whole command. Extra model flags
 (``--model-args``) go to both, e.g. a larger model:
@@ -33,7 +33,7 @@ COMMON = [
 ]
 SYSTEMS = {
     "stock": ["--arch", "transformer_tiny", "--criterion", "label_smoothed_cross_entropy", "--optimizer", "adam"],
-    "ls": ["--user-dir", os.path.join(REPO, "ls_fairseq"), "--arch", "ls_transformer_tiny",
+    "ls": ["--user-dir", os.path.join(REPO, "ls_fairseq", "fairseq_plugin"), "--arch", "ls_transformer_tiny",
            "--criterion", "ls_label_smoothed_cross_entropy", "--optimizer", "ls_adam"],
 }
 UPS = re.compile(r"\| train_inner \|.*?\bups=([0-9.]+)")

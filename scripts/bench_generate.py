@@ -82,7 +82,7 @@ def train(out, data_bin, arch, updates, cuda):
     path = os.path.join(save, "checkpoint_last.pt")
     if not os.path.isfile(path):
         device = ["--fp16", "--max-tokens", "8192"] if cuda else ["--cpu", "--max-tokens", "2048"]
-        cmd = [sys.executable, "-m", "fairseq_cli.train", data_bin, "--user-dir", os.path.join(REPO, "ls_fairseq"),
+        cmd = [sys.executable, "-m", "fairseq_cli.train", data_bin, "--user-dir", os.path.join(REPO, "ls_fairseq", "fairseq_plugin"),
                "--arch", ARCHS[arch], "--max-update", str(updates), "--save-dir", save] + TRAIN + device
         lr, warmup, dropout = SCHEDULE[arch]
         cmd += ["--lr", lr, "--warmup-updates", warmup, "--dropout", dropout]
@@ -333,7 +333,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     import torch
 
-    import ls_fairseq  # noqa: F401 (the plugin: model, checkpoint types)
+    import ls_fairseq.fairseq_plugin  # noqa: F401 (the plugin: model, checkpoint types)
 
     cuda = torch.cuda.is_available() and not args.cpu
     names = chosen_systems(cuda, args.fairseq_on_ls, args.systems)

@@ -11,7 +11,7 @@ After every kill the script
 - reads the next round's log: the run must resume from ``checkpoint_last.pt`` at
   exactly that update count (or start afresh when there was none).
 A last run without a kill resumes and trains to its end. Half of the kills go to
-``fairseq-train --user-dir ls_fairseq``, half to ``ls-fairseq-train``, each in a
+``fairseq-train --user-dir ls_fairseq/fairseq_plugin``, half to ``ls-fairseq-train``, each in a
 folder of its own (their optimizers' checkpoints differ: fairseq refuses to resume
 one from the other's without --reset-optimizer). Printed: where each kill
 landed (a hook point, or for a random kill the phase the log was in: startup,
@@ -88,7 +88,7 @@ def make_data_bin(root, pairs=240, valid=16, vocab=40, seed=0):
 def command(cli, data_bin, save_dir, max_update=None):
     cmd = [bin_path(cli), data_bin] + TRAIN + ["--save-dir", save_dir]
     if cli == "fairseq-train":
-        cmd += ["--user-dir", os.path.join(REPO, "ls_fairseq")]
+        cmd += ["--user-dir", os.path.join(REPO, "ls_fairseq", "fairseq_plugin")]
     if max_update is not None:
         cmd += ["--max-update", str(max_update)]
     return cmd
@@ -160,7 +160,7 @@ def last_updates(log, start):
 def checkpoint_updates(path):
     import torch
 
-    import ls_fairseq  # noqa: F401 (the checkpoint allowlist)
+    import ls_fairseq.fairseq_plugin  # noqa: F401 (the checkpoint allowlist)
 
     state = torch.load(path, map_location="cpu", weights_only=True)
     assert "model" in state and state["model"], "{}: no model state".format(path)

@@ -147,9 +147,9 @@ def run_options(gpu):
               "--validate-interval", "100000", "--save-interval", "100000"] + ([] if gpu else ["--cpu", "--num-workers", "0"])
     # the stock run loads the plugin only so that torch >= 2.6 can read the initial checkpoint
     # (weights_only); its architecture, criterion and optimizer are fairseq's own
-    stock = ["--user-dir", os.path.join(REPO, "ls_fairseq"), "--arch", "transformer_wmt_en_de",
+    stock = ["--user-dir", os.path.join(REPO, "ls_fairseq", "fairseq_plugin"), "--arch", "transformer_wmt_en_de",
              "--criterion", "label_smoothed_cross_entropy", "--optimizer", "adam"] + (["--fp16"] if gpu else [])
-    ls = ["--user-dir", os.path.join(REPO, "ls_fairseq"), "--arch", "ls_transformer_wmt_en_de",
+    ls = ["--user-dir", os.path.join(REPO, "ls_fairseq", "fairseq_plugin"), "--arch", "ls_transformer_wmt_en_de",
           "--criterion", "ls_label_smoothed_cross_entropy", "--optimizer", "ls_adam"]
     return common, stock, ls
 

@@ -89,7 +89,7 @@ start=$SECONDS
 # A checkpoint at --max-update already is not given to fairseq-train, which would take one more update.
 if [ "$DONE" -ge "$UPDATES" ]; then
   echo "run_example: the checkpoint has $DONE updates already; nothing to train"
-elif ! PYTHONUNBUFFERED=1 fairseq-train "$WORK/data-bin" --user-dir "$ROOT/ls_fairseq" "${MODEL[@]}" "${DEVICE[@]}" \
+elif ! PYTHONUNBUFFERED=1 fairseq-train "$WORK/data-bin" --user-dir "$ROOT/ls_fairseq/fairseq_plugin" "${MODEL[@]}" "${DEVICE[@]}" \
   --share-all-embeddings --criterion ls_label_smoothed_cross_entropy --label-smoothing 0.1 \
   --optimizer ls_adam --adam-betas '(0.9,0.98)' --lr-scheduler inverse_sqrt \
   --clip-norm 1.0 --max-update "$UPDATES" \
@@ -102,7 +102,7 @@ fi
 echo "run_example: training to update $UPDATES took $(( (SECONDS - start) / 60 ))m$(( (SECONDS - start) % 60 ))s; translating the test set (fairseq-generate, beam 4)"
 
 start=$SECONDS
-fairseq-generate "$WORK/data-bin" --user-dir "$ROOT/ls_fairseq" --path "$CKPT/checkpoint_last.pt" \
+fairseq-generate "$WORK/data-bin" --user-dir "$ROOT/ls_fairseq/fairseq_plugin" --path "$CKPT/checkpoint_last.pt" \
   --gen-subset test --beam 4 --lenpen 0.6 --batch-size 128 --remove-bpe sentencepiece --scoring sacrebleu \
   "${DEVICE[@]}" > "$OUT/generate.log" 2>&1 || { tail -20 "$OUT/generate.log"; exit 1; }
 grep '^H-' "$OUT/generate.log" | sed 's/^H-//' | sort -n -k1,1 | cut -f3 > "$OUT/test.hyp"
@@ -124,7 +124,7 @@ run_example: where things are
   test hypotheses (detokenized)            $OUT/test.hyp  (fairseq-generate's output: $OUT/generate.log)
 run_example: translate your own English sentences (one a line on standard input):
   source $VENV/bin/activate
-  echo "Click the OK button." | fairseq-interactive $WORK/data-bin --user-dir $ROOT/ls_fairseq \\
+  echo "Click the OK button." | fairseq-interactive $WORK/data-bin --user-dir $ROOT/ls_fairseq/fairseq_plugin \\
     --path $CKPT/checkpoint_last.pt --source-lang en --target-lang de \\
     --bpe sentencepiece --sentencepiece-model $WORK/spm.model --beam 4 --lenpen 0.6 ${DEVICE[*]} | grep '^D-'
 EOF

@@ -194,7 +194,7 @@ def test_resuming_on_a_data_bin_of_another_dictionary_is_refused_and_nothing_is_
     reordered = fault_checkpoints.make_data_bin(str(tmp_path / "b"), seed=5)
     smaller = fault_checkpoints.make_data_bin(str(tmp_path / "c"), vocab=30)
     save = tmp_path / "ckpt"
-    args = fault_checkpoints.TRAIN + ["--save-dir", str(save), "--user-dir", os.path.join(REPO, "ls_fairseq")]
+    args = fault_checkpoints.TRAIN + ["--save-dir", str(save), "--user-dir", os.path.join(REPO, "ls_fairseq", "fairseq_plugin")]
 
     def train(data_bin, max_update):
         return run([bin_path("fairseq-train"), data_bin] + args + ["--max-update", str(max_update)])

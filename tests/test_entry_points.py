@@ -1,4 +1,4 @@
-"""The two entry points, ``fairseq-train --user-dir ls_fairseq`` and ``ls-fairseq-train``, end to end on
+"""The two entry points, ``fairseq-train --user-dir ls_fairseq/fairseq_plugin`` and ``ls-fairseq-train``, end to end on
 the same checkpoints: each resumes the other's; their logs; ``ls-fairseq-train --help``."""
 import re
 import shutil

@@ -33,7 +33,7 @@ Differences from fairseq's wrappers, all for the sake of no host sync:
   where a NaN first appears;
 - ``--fp16-scale-tolerance`` is not supported (it must stay 0, fairseq's default).
 
-Checkpoints are those of ``fairseq-train --user-dir ls_fairseq`` for the same
+Checkpoints are those of ``fairseq-train --user-dir ls_fairseq/fairseq_plugin`` for the same
 flags: the optimizer's recorded name is that of the fairseq optimizer around
 ls_adam (``LSAdam`` in fp32, ``FP16Optimizer`` for --fp16/--bf16,
 ``MemoryEfficientFP16Optimizer`` for the memory-efficient flags), and its state
@@ -246,7 +246,7 @@ def fairseq_optimizer_name(common):
 # fairseq's trainer records an optimizer by its class name (``optimizer_history``) and resumes a
 # checkpoint only under an optimizer of the same name. DeviceStepAdam, under each precision flag, takes
 # the name of the optimizer that fairseq-train builds for that flag around ls_adam and writes that
-# one's state, so that fairseq-train --user-dir ls_fairseq and ls-fairseq-train resume each other.
+# one's state, so that fairseq-train --user-dir ls_fairseq/fairseq_plugin and ls-fairseq-train resume each other.
 NAMED_AS_FAIRSEQ = {
     name: type(name, (DeviceStepAdam,), {"__doc__": "DeviceStepAdam, named as fairseq-train's " + name})
     for name in ("LSAdam", "FP16Optimizer", "MemoryEfficientFP16Optimizer")

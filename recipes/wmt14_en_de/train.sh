@@ -55,7 +55,7 @@ if [ $BASELINE = 1 ]; then
 else
   MODEL=(--arch ls_transformer_vaswani_wmt_en_de_big --criterion ls_label_smoothed_cross_entropy --optimizer ls_adam)
   [ "$GPUS" -gt 1 ] && MODEL+=(--ddp-backend legacy_ddp)
-  PLUGIN=(--user-dir "$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/ls_fairseq")
+  PLUGIN=(--user-dir "$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/ls_fairseq/fairseq_plugin")
   TRAIN=("$PY" -m ls_fairseq.train)
 fi
 mkdir -p "$SAVE"
