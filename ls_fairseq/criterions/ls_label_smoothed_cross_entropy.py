@@ -12,13 +12,13 @@ included: ls_fairseq.memory); neither needs a device synchronisation.
 from dataclasses import dataclass, field
 
 import torch
-from fairseq import metrics
+from fairseq import metrics, utils
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
-from ls_fairseq import memory, ops
+from ls_fairseq import memory, ops, packing
 
 
 @dataclass
@@ -37,8 +37,13 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
 
     def forward(self, model, sample, reduce=True):
         if self.report_accuracy:  # fairseq's forward, which reads the accuracy counts back from the device
-            loss, sample_size, logging_output = super().forward(model, sample, reduce)
-            return loss, sample_size, self._with_flops(model, sample, logging_output)
+            net_output = model(**sample["net_input"])
+            loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=reduce)
+            sample_size, logging_output = self.logging_outputs(model, sample, loss, nll_loss)
+            n_correct, total = self.compute_accuracy(model, net_output, sample)
+            logging_output["n_correct"] = utils.item(n_correct.data)
+            logging_output["total"] = utils.item(total.data)
+            return loss, sample_size, logging_output
         loss, nll_loss = self.losses(model, sample, reduce)
         return (loss,) + self.logging_outputs(model, sample, loss, nll_loss)
 
@@ -51,12 +56,14 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def logging_outputs(self, model, sample, loss, nll_loss):
         """(sample_size, logging_output) as fairseq's criterion forms them: the host's part of forward,
         from ``sample`` and the two losses (device tensors)."""
-        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        # a packed target is one stream: its sentences are counted by the collater
+        sentences = sample["nsentences"] if packing.is_packed(sample) else sample["target"].size(0)
+        sample_size = sentences if self.sentence_avg else sample["ntokens"]
         logging_output = {
             "loss": loss.data,
             "nll_loss": nll_loss.data,
             "ntokens": sample["ntokens"],
-            "nsentences": sample["target"].size(0),
+            "nsentences": sentences,
             "sample_size": sample_size,
         }
         return sample_size, self._with_flops(model, sample, logging_output)
@@ -88,6 +95,10 @@ class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def get_logits_and_target(self, model, net_output, sample):
         logits = net_output[0]
         target = model.get_targets(sample, net_output)
+        if self.ignore_prefix_size > 0 and packing.is_packed(sample):
+            # the first tokens of each sentence: positions padding_idx + 1 .. padding_idx + prefix size
+            positions = sample["net_input"]["ls_tgt_positions"]
+            return logits, target.masked_fill(positions <= self.padding_idx + self.ignore_prefix_size, self.padding_idx)
         if self.ignore_prefix_size > 0:
             logits = logits[:, self.ignore_prefix_size :, :]
             target = target[:, self.ignore_prefix_size :]

@@ -25,10 +25,11 @@ from fairseq.models import (
     FairseqIncrementalDecoder,
 )
 
-from ls_fairseq import ops
+from ls_fairseq import ops, packing
 from ls_fairseq.checkpoint import check_model_state
 from ls_fairseq.flops import training_flops_per_target_token
 from ls_fairseq.models.layers import DecoderLayer, EncoderLayer
+from ls_fairseq.packing import Packed
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,15 @@ class LSTransformerConfig(FairseqDataclass):
             "pair with --required-seq-len-multiple 8 or more so that batches share shapes"
         },
     )
+    ls_packed: bool = field(
+        default=False,
+        metadata={
+            "help": "train on packed batches: each side's real tokens as one stream with sentence offsets, so no "
+            "padding enters a GEMM, a fused op or the loss (the same sentences per batch as fairseq's batching); "
+            "with --ls-cuda-graphs each stream is rounded up to one of 8 capacities chosen from the epoch's "
+            "batches; validation and translation stay padded"
+        },
+    )
     ls_fp8: bool = field(
         default=False,
         metadata={
@@ -190,11 +200,16 @@ class LSTransformerEncoder(_EmbeddingMixin, FairseqEncoder):
         self.layers = nn.ModuleList([EncoderLayer(cfg, fp8) for _ in range(cfg.encoder_layers)])
         self.layer_norm = nn.LayerNorm(cfg.encoder_embed_dim) if cfg.encoder_normalize_before else None
 
-    def forward(self, src_tokens, src_lengths=None, return_all_hiddens=False, token_embeddings=None):
-        padding_mask = src_tokens.eq(self.padding_idx)
-        x = self._embed(src_tokens, ops.make_positions(src_tokens, self.padding_idx))
+    def forward(self, src_tokens, src_lengths=None, return_all_hiddens=False, token_embeddings=None, packed=None):
+        """``packed``: a Packed batch (src_tokens then its source stream [1, capacity]), else padded rows."""
+        if packed is not None:
+            padding_mask, mask = None, packed.encoder_mask
+            x = self._embed(src_tokens, packed.src_positions, self.padding_idx + packed.src_max_len)
+        else:
+            padding_mask = src_tokens.eq(self.padding_idx)
+            x = self._embed(src_tokens, ops.make_positions(src_tokens, self.padding_idx))
+            mask = ops.AttentionMask(padding_mask)
         states = [x] if return_all_hiddens else []
-        mask = ops.AttentionMask(padding_mask)
         for layer in self.layers:
             x = layer(x, mask)
             if return_all_hiddens:
@@ -203,7 +218,7 @@ class LSTransformerEncoder(_EmbeddingMixin, FairseqEncoder):
             x = ops.layer_norm(x, self.layer_norm.weight, self.layer_norm.bias)
         return {
             "encoder_out": [x],
-            "encoder_padding_mask": [padding_mask],
+            "encoder_padding_mask": [padding_mask] if padding_mask is not None else [],
             "encoder_embedding": [],
             "encoder_states": states,
             "src_tokens": [],
@@ -250,16 +265,17 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
         else:
             nn.init.normal_(self.output_projection.weight, mean=0, std=dim**-0.5)
 
-    def _encoder_keys_values(self, encoder_out):
+    def _encoder_keys_values(self, encoder_out, token_major=False):
         """Every layer's cross-attention keys and values from one GEMM: 2L views [B, heads, S, d_head]
         of one tensor. Kept as views: the qkv op's backward takes each view's gradient as it comes,
         where indexing a stacked copy would give each layer's slice a gradient of the full stack's size
-        (a fill, a copy and an add of 2L x tokens x d per layer)."""
+        (a fill, a copy and an add of 2L x tokens x d per layer). ``token_major`` (packed streams):
+        views of [2L, B, S, heads, d_head] storage, each layer's rows contiguous for varlen attention."""
         enc = encoder_out["encoder_out"][0]
         return ops.split_heads(
             ops.linear(enc, self.encoder_attn_kv_proj.weight, fp8=self.fp8.get("kv") if self.training else None),
             self.encoder_attn_kv_proj.bias,
-            self.num_heads, 2 * len(self.layers),
+            self.num_heads, 2 * len(self.layers), token_major=token_major,
         )
 
     def forward(
@@ -273,13 +289,17 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
         alignment_heads=None,
         src_lengths=None,
         return_all_hiddens=False,
+        packed=None,
     ):
-        x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state)
+        x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state, packed=packed)
         if not features_only:
             x = self.output_layer(x)
         return x, extra
 
-    def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, **unused):
+    def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None, packed=None, **unused):
+        """``packed``: a Packed batch (training only; prev_output_tokens then its target stream)."""
+        if packed is not None:
+            return self._packed_features(prev_output_tokens, encoder_out, packed)
         pad = self.padding_idx
         positions = ops.make_positions(prev_output_tokens, pad)
         cache = self.get_incremental_state(incremental_state, "cache") if incremental_state is not None else None
@@ -301,6 +321,17 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
             if cache is not None:
                 layer_cache = cache.setdefault("layer{}".format(i), {})
             x = layer(x, self_mask, encoder_kv[2 * i], encoder_kv[2 * i + 1], enc_mask, layer_cache)
+            inner_states.append(x)
+        if self.layer_norm is not None:
+            x = ops.layer_norm(x, self.layer_norm.weight, self.layer_norm.bias)
+        return x, {"attn": [None], "inner_states": inner_states}
+
+    def _packed_features(self, prev_output_tokens, encoder_out, packed):
+        encoder_kv = self._encoder_keys_values(encoder_out, token_major=True)
+        x = self._embed(prev_output_tokens, packed.tgt_positions, self.padding_idx + packed.tgt_max_len)
+        inner_states = [x]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, packed.decoder_mask, encoder_kv[2 * i], encoder_kv[2 * i + 1], packed.cross_mask)
             inner_states.append(x)
         if self.layer_norm is not None:
             x = ops.layer_norm(x, self.layer_norm.weight, self.layer_norm.bias)
@@ -378,8 +409,14 @@ class LSTransformerModel(FairseqEncoderDecoderModel):
         return model
 
     def forward(self, src_tokens, src_lengths, prev_output_tokens, **kwargs):
+        """fairseq's forward; a packed batch (ls_fairseq.packing: net_input's ``ls_*`` entries) runs on
+        its streams."""
         if self.training and getattr(self, "fp8", None) is not None:
             self.fp8.begin(src_tokens.device)
+        if "ls_src_offsets" in kwargs:
+            packed = Packed(**{key: kwargs.pop(key) for key in packing.KEYS})
+            encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, packed=packed, **kwargs)
+            return self.decoder(prev_output_tokens, encoder_out=encoder_out, packed=packed, **kwargs)
         return super().forward(src_tokens, src_lengths, prev_output_tokens, **kwargs)
 
     def max_positions(self):
@@ -393,12 +430,18 @@ class LSTransformerModel(FairseqEncoderDecoderModel):
     def training_flops(self, sample):
         """Model FLOPs of a training step on ``sample`` (ls_fairseq.flops), from host-side shapes only."""
         src, target, ntokens = sample["net_input"]["src_tokens"], sample["target"], sample["ntokens"]
+        if "ls_lengths" in sample:  # packed: the real sentences' lengths (ls_fairseq.packing)
+            n = sample["ls_lengths"]
+            lengths = dict(src_len=n["src_sq"] / max(n["src"], 1), tgt_len=n["tgt_sq"] / max(n["tgt"], 1),
+                           cross_len=n["cross"] / max(n["tgt"], 1), src_per_tgt=n["src"] / max(n["tgt"], 1))
+        else:
+            lengths = dict(src_len=src.shape[1], tgt_len=target.shape[1],
+                           src_per_tgt=src.shape[1] / max(target.shape[1], 1))
         fc1 = self.encoder.layers[0].fc1 if len(self.encoder.layers) else self.decoder.layers[0].fc1
         per_token = training_flops_per_target_token(
             dim=self.decoder.embed_tokens.embedding_dim, ffn=fc1.out_features,
             encoder_layers=len(self.encoder.layers), decoder_layers=len(self.decoder.layers),
-            vocab=self.decoder.output_projection.out_features, src_len=src.shape[1], tgt_len=target.shape[1],
-            src_per_tgt=src.shape[1] / max(target.shape[1], 1),
+            vocab=self.decoder.output_projection.out_features, **lengths,
         )
         return per_token * ntokens
 
@@ -428,6 +471,7 @@ def base_architecture(args):
     args.max_target_positions = getattr(args, "max_target_positions", None) or DEFAULT_MAX_POSITIONS
     args.ls_deterministic = getattr(args, "ls_deterministic", False)
     args.ls_cuda_graphs = getattr(args, "ls_cuda_graphs", False)
+    args.ls_packed = getattr(args, "ls_packed", False)
     args.ls_fp8 = getattr(args, "ls_fp8", False)
     args.ls_fp8_forward = getattr(args, "ls_fp8_forward", "qkv,kv,vocab")
     args.ls_fp8_dgrad = getattr(args, "ls_fp8_dgrad", "fc2")

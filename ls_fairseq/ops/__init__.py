@@ -2,7 +2,7 @@
 its autograd Function and one ``dispatch.Route`` to its kernel or reference;
 ``workspace`` says which parameter gradients the backwards add into in place."""
 from ls_fairseq.ops.adam import adam_step, grad_norm, new_scaler_state, scaled_grad_norm
-from ls_fairseq.ops.attention import AttentionMask, attention
+from ls_fairseq.ops.attention import AttentionMask, SegmentMask, attention
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout
 from ls_fairseq.ops.bias_dropout_residual import bias_dropout_residual
 from ls_fairseq.ops.bias_dropout_residual_layer_norm import bias_dropout_residual_layer_norm
@@ -20,6 +20,7 @@ __all__ = [
     "AttentionMask",
     "Fp8Recipe",
     "ResidualGrad",
+    "SegmentMask",
     "adam_step",
     "attention",
     "bias_act_dropout",

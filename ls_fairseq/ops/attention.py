@@ -108,6 +108,61 @@ class AttentionMask:
         return mask, False
 
 
+class SegmentMask:
+    """Segments of a query stream and a key stream: ``q_offsets``, ``k_offsets`` int32 [segments + 1]
+    (segment s: query rows q_offsets[s] .. q_offsets[s + 1], keys k_offsets[s] .. k_offsets[s + 1]);
+    ``max_q``, ``max_k``: host ints at least every segment's length (a CUDA graph fixes them per
+    stream capacity); ``causal``: a query sees the keys up to its own place (self-attention: q and k
+    the same stream). The blocks path's indices are made once per forward and shared by the layers."""
+
+    def __init__(self, q_offsets, k_offsets, max_q, max_k, causal=False):
+        if q_offsets.dim() != 1 or q_offsets.shape != k_offsets.shape or q_offsets.numel() < 2:
+            raise ValueError("SegmentMask: offsets {} and {} must be [segments + 1] each, with at least one segment"
+                             .format(tuple(q_offsets.shape), tuple(k_offsets.shape)))
+        if max_q < 1 or max_k < 1:
+            raise ValueError("SegmentMask: max_q {} and max_k {} must be at least 1".format(max_q, max_k))
+        if causal and (q_offsets is not k_offsets or max_q != max_k):
+            raise ValueError("SegmentMask: causal attention is self-attention: one stream's offsets for q and k")
+        self.q_offsets, self.k_offsets = q_offsets, k_offsets
+        self.max_q, self.max_k, self.causal = int(max_q), int(max_k), causal
+        self._blocks = {}
+
+    @property
+    def segments(self):
+        return self.q_offsets.numel() - 1
+
+    def tail(self, rows):
+        """Which of a query stream's ``rows`` rows lie past the last segment, bool [rows]."""
+        return torch.arange(rows, device=self.q_offsets.device) >= self.q_offsets[-1]
+
+    def blocks(self, nq):
+        """(q_index, k_index [segments x max rows], key padding mask [segments, max_k], keyless [segments,
+        1, 1, 1], unpack [nq]) of the blocks path for a query stream of ``nq`` rows, made once: block row j
+        of segment s holds stream row offsets[s] + j (row 0 past the segment's end, masked as a key,
+        dropped as a query); keyless: the segments without keys, whose queries get zeros; unpack gives
+        each stream row its place in the flattened query blocks (0 for the tail)."""
+        if nq not in self._blocks:
+            q_index, _ = _block_rows(self.q_offsets, self.max_q)
+            k_index, k_valid = _block_rows(self.k_offsets, self.max_k)
+            keyless = ~k_valid[:, 0, None, None, None]
+            hidden = ~k_valid
+            hidden[:, 0] = False  # every row sees a key, so every softmax row is finite (keyless ones are zeroed)
+            rows = torch.arange(nq, device=self.q_offsets.device)
+            starts = self.q_offsets[:-1].long()
+            segment = torch.searchsorted(self.q_offsets[1:].long(), rows, right=True).clamp_(max=self.segments - 1)
+            unpack = torch.where(self.tail(nq), 0, segment * self.max_q + rows - starts[segment])
+            self._blocks[nq] = (q_index.reshape(-1), k_index.reshape(-1), hidden, keyless, unpack)
+        return self._blocks[nq]
+
+
+def _block_rows(offsets, length):
+    """(stream row of every block slot [segments, length], int64, row 0 where invalid; valid slots)."""
+    starts = offsets[:-1].long()[:, None]
+    j = torch.arange(length, device=offsets.device)[None, :]
+    valid = j < offsets[1:].long()[:, None] - starts
+    return torch.where(valid, starts + j, 0), valid
+
+
 class ScoresFunction(torch.autograd.Function):
     """q k^T over [B, heads, T, d_head]. Backward gives dk = dS^T q as [B, heads, Tk, d_head] rows
     (a batched GEMM's own output), where matmul's autograd gives the transpose of q^T dS, whose
@@ -222,7 +277,8 @@ def _fused_kernel_fits(q, k, v):
 
 
 def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exact_row_term=False):
-    """softmax(q k^T + masks) v with dropout ``p`` on the probabilities; ``mask`` an AttentionMask;
+    """softmax(q k^T + masks) v with dropout ``p`` on the probabilities; ``mask`` an AttentionMask, or a
+    SegmentMask for packed streams (ops.segment_attention);
     ``deterministic``: bit-identical results run to run, in training too; ``exact_row_term``: the
     backward forms the softmax's row term from fp32 probabilities (the fused kernel where the rows
     fit, the LightSeq path beyond them; never SDPA)."""
@@ -232,6 +288,10 @@ def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exa
                 tuple(q.shape), tuple(k.shape), tuple(v.shape)
             )
         )
+    if isinstance(mask, SegmentMask):
+        from ls_fairseq.ops.segment_attention import segment_attention  # the packed step's op (imports this module)
+
+        return segment_attention(q, k, v, mask, p, training, deterministic, exact_row_term)
     p = p if training else 0.0
     picked = ATTENTION_ROUTE.pick(q)
     if picked is attention_reference:

@@ -33,6 +33,7 @@ OPS = (
     "qkv",
     "softmax",
     "attention",
+    "segment_attention",
     "bias_dropout_residual",
     "bias_dropout_residual_layer_norm",
     "bias_act_dropout",

@@ -1,0 +1,122 @@
+"""Attention inside the segments of packed token streams (training without padding).
+
+A packed batch holds each side's real tokens as one stream of rows, sentence after
+sentence; ``offsets`` (int32, on the device, [segments + 1]) say where each sentence
+starts, and the rows after the last offset (the tail, up to the stream's capacity)
+belong to no sentence. q [1, heads, Nq, d_head] and k, v [1, heads, Nk, d_head] are
+split_heads' outputs of such streams; query row i of segment s sees the keys of
+segment s (and, ``causal``, only those at or before its own place in the segment).
+The output has q's shape, laid out as [1, Nq, heads, d_head] storage (so the out
+projection merges its heads as a view), with the tail rows exactly zero.
+
+Two paths:
+- blocks (every device; the CPU's path): each segment's rows are gathered into a
+  block of ``max_q`` (``max_k``) rows, [segments, heads, max, d_head], and the
+  blocks go through ``ops.attention`` with a key padding mask: its fused kernel, the
+  LightSeq path or SDPA on the GPU, its reference on the CPU. So attention dropout,
+  ``deterministic`` and the fp32 row term (``exact_row_term``) are honoured as in the
+  padded step; the padding of the blocks costs attention FLOPs only, never a GEMM's.
+  Every block row sees at least the block's first key (an empty segment too), so no
+  softmax row is fully masked and every gradient stays finite.
+- varlen (CUDA, fp16/bf16): torch's FlashAttention over the offsets
+  (``torch.nn.attention.varlen.varlen_attn``), no padding at all. It has no dropout,
+  its backward adds with atomics and forms the softmax's row term from the 16-bit
+  output, so it is taken only without attention dropout, outside deterministic mode
+  and where the exact row term is not asked for; the blocks path runs otherwise. It
+  leaves the tail rows unwritten: they are set to zero here.
+``LS_FAIRSEQ_REFERENCE=segment_attention`` keeps the GPU on the blocks path.
+"""
+import inspect
+
+import torch
+
+from ls_fairseq.ops import dispatch
+from ls_fairseq.ops.attention import AttentionMask, attention
+
+try:  # torch >= 2.10, CUDA only
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+
+
+def _causal_arguments():
+    """varlen_attn's causal argument: ``window_size=(-1, 0)`` (torch >= 2.11) or ``is_causal=True`` (2.10)."""
+    parameters = inspect.signature(varlen_attn).parameters
+    return {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+
+
+def _rows(x):
+    """[1, heads, N, d_head] -> [N, heads, d_head] (a view)."""
+    return x[0].transpose(0, 1)
+
+
+def _as_heads(rows):
+    """[N, heads, d_head] -> [1, heads, N, d_head], a view of the rows' storage."""
+    return rows.unsqueeze(0).transpose(1, 2)
+
+
+def _blocks_attention(q, k, v, mask, p, training, deterministic, exact_row_term):
+    q_index, k_index, hidden, keyless, unpack = mask.blocks(q.shape[2])
+    S, H, D = mask.segments, q.shape[1], q.shape[3]
+
+    def gather(x, index, length):
+        return _rows(x).index_select(0, index).view(S, length, H, D).transpose(1, 2)
+
+    blocks_mask = AttentionMask(hidden, causal=mask.causal, right_padded=True)
+    out = attention(gather(q, q_index, mask.max_q), gather(k, k_index, mask.max_k), gather(v, k_index, mask.max_k),
+                    blocks_mask, p, training, deterministic, exact_row_term)
+    rows = torch.where(keyless, 0.0, out).transpose(1, 2).reshape(S * mask.max_q, H, D).index_select(0, unpack)
+    return _as_heads(torch.where(mask.tail(rows.shape[0])[:, None, None], 0.0, rows))
+
+
+def _varlen_attention(q, k, v, mask):
+    causal = _causal_arguments() if mask.causal else {}
+    rows = varlen_attn(_rows(q).contiguous(), _rows(k).contiguous(), _rows(v).contiguous(), mask.q_offsets,
+                       mask.k_offsets, mask.max_q, mask.max_k, scale=1.0, **causal)
+    # FlashAttention leaves the tail unwritten: whatever the memory held there must not reach a gradient
+    return _as_heads(torch.where(mask.tail(rows.shape[0])[:, None, None], 0.0, rows))
+
+
+def varlen_fits(q, p, training, deterministic, exact_row_term):
+    """Whether the varlen (FlashAttention) path runs: CUDA, fp16/bf16, torch's varlen_attn present, the
+    op not forced onto its reference, and nothing asked that it cannot give (see the module docstring)."""
+    return (varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and not dispatch.forced_reference("segment_attention")
+            and (p == 0 or not training) and not deterministic and not exact_row_term)
+
+
+def segment_attention(q, k, v, mask, p=0.0, training=True, deterministic=False, exact_row_term=False):
+    """softmax(q k^T) v inside the segments of ``mask`` (a SegmentMask), dropout ``p`` on the
+    probabilities; q [1, heads, Nq, d_head], k and v [1, heads, Nk, d_head] (any strides)."""
+    if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0] == 1) or \
+            q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2] or q.shape[1] != k.shape[1]:
+        raise ValueError("segment_attention: q {}, k {}, v {} must be packed streams [1, heads, rows, d_head] with "
+                         "matching heads, d_head and k/v rows".format(tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+    p = p if training else 0.0
+    if varlen_fits(q, p, training, deterministic, exact_row_term):
+        return _varlen_attention(q, k, v, mask)
+    return _blocks_attention(q, k, v, mask, p, training, deterministic, exact_row_term)
+
+
+def segment_attention_reference(q, k, v, mask, p=0.0, training=True, dropout_mask=None):
+    """The tests' oracle, independent of both paths: attention over the whole streams with a dense
+    block-diagonal mask (a query sees the keys of its own segment; ``causal``: up to its place), in
+    the inputs' precision upcast as the references do (fp64 stays fp64); a row that sees no key
+    (the tail, an empty segment) gives zeros. ``dropout_mask``: a keep-mask [1, heads, Nq, Nk]."""
+    def segment_and_place(offsets, rows):
+        r = torch.arange(rows, device=offsets.device)
+        segment = torch.searchsorted(offsets[1:].long(), r, right=True)
+        inside = segment < offsets.numel() - 1
+        place = r - offsets[:-1].long()[segment.clamp(max=offsets.numel() - 2)]
+        return torch.where(inside, segment, -1), place, inside
+
+    sq, pq, iq = segment_and_place(mask.q_offsets, q.shape[2])
+    sk, pk, ik = segment_and_place(mask.k_offsets, k.shape[2])
+    seen = (sq[:, None] == sk[None, :]) & iq[:, None] & ik[None, :]
+    if mask.causal:
+        seen &= pk[None, :] <= pq[:, None]
+    scores = torch.matmul(dispatch.upcast(q), dispatch.upcast(k).transpose(-1, -2)).masked_fill(~seen, float("-inf"))
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)
+    if p > 0 and training:
+        probs = dispatch.apply_dropout(probs, dropout_mask, p)
+    return torch.matmul(probs, dispatch.upcast(v)).to(q.dtype)
