@@ -1,25 +1,17 @@
 """The fairseq-free core: the layers, the workspace Adam and the fused loss against plain PyTorch, on the
 CPU. Imports nothing of fairseq (tests/test_fairseq_plugin.py runs this file where fairseq cannot be
 imported)."""
-import types
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ls_fairseq.loss import LabelSmoothedCrossEntropy
-from ls_fairseq.models.layers import EncoderLayer
+from ls_fairseq.layers import DecoderLayer, Embedding, EncoderLayer
 from ls_fairseq.ops import AttentionMask
 from ls_fairseq.optim.workspace_adam import WorkspaceAdam
 
 
-def encoder_cfg(normalize_before, activation_fn="relu"):
-    return types.SimpleNamespace(encoder_embed_dim=24, encoder_ffn_embed_dim=40, encoder_attention_heads=3,
-                                 encoder_normalize_before=normalize_before, dropout=0.0, attention_dropout=0.0,
-                                 activation_dropout=0.0, activation_fn=activation_fn, ls_deterministic=False)
-
-
-def reference_encoder_layer(layer, x, padding_mask, normalize_before, eps=1e-5):
+def reference_encoder_layer(layer, x, padding_mask, normalize_before, eps=1e-5, causal=False):
     """The layer's math in plain PyTorch: (LN ->) self-attention -> residual (-> LN), then the FFN alike."""
     B, T, d = x.shape
     H = layer.self_attn.num_heads
@@ -35,7 +27,10 @@ def reference_encoder_layer(layer, x, padding_mask, normalize_before, eps=1e-5):
     def attention(h):
         q, k, v = F.linear(h, layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias).chunk(3, dim=-1)
         q, k, v = (t.reshape(B, T, H, d // H).transpose(1, 2) for t in (q, k, v))
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=~padding_mask[:, None, None, :])
+        allowed = ~padding_mask[:, None, None, :]
+        if causal:
+            allowed = allowed & torch.ones(T, T, dtype=torch.bool).tril()
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         return F.linear(ctx.transpose(1, 2).reshape(B, T, d), layer.self_attn.out_proj.weight,
                         layer.self_attn.out_proj.bias)
 
@@ -46,16 +41,20 @@ def reference_encoder_layer(layer, x, padding_mask, normalize_before, eps=1e-5):
 
 
 @pytest.mark.parametrize("normalize_before", [False, True])
-@pytest.mark.parametrize("activation_fn", ["relu", "gelu"])
-def test_the_encoder_layer_matches_plain_pytorch_with_padding(normalize_before, activation_fn):
-    layer = EncoderLayer(encoder_cfg(normalize_before, activation_fn))
+@pytest.mark.parametrize("activation_fn,eps", [("relu", 1e-5), ("gelu", 1e-12)])
+def test_the_encoder_layer_matches_plain_pytorch_with_padding(normalize_before, activation_fn, eps):
+    layer = EncoderLayer(24, 3, 40, normalize_before=normalize_before, activation_fn=activation_fn, layer_norm_eps=eps)
+    with torch.no_grad():  # LayerNorm parameters away from their init, so that they are tested too
+        for norm in (layer.self_attn_layer_norm, layer.final_layer_norm):
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
     B, T = 3, 7
     padding_mask = torch.zeros(B, T, dtype=torch.bool)
     padding_mask[1, 5:] = True
     padding_mask[2, 2:] = True
     x = torch.randn(B, T, 24, requires_grad=True)
     out = layer(x, AttentionMask(padding_mask))
-    want = reference_encoder_layer(layer, x, padding_mask, normalize_before)
+    want = reference_encoder_layer(layer, x, padding_mask, normalize_before, eps)
     keep = ~padding_mask
     torch.testing.assert_close(out[keep], want[keep], rtol=1e-5, atol=1e-5)
     dy = torch.randn_like(out) * keep[..., None]
@@ -63,6 +62,43 @@ def test_the_encoder_layer_matches_plain_pytorch_with_padding(normalize_before, 
     want_grads = torch.autograd.grad(want, [x] + list(layer.parameters()), dy)
     for got, ref in zip(grads, want_grads):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_a_decoder_only_layer_is_causal_and_decodes_incrementally():
+    layer = DecoderLayer(16, 2, 24, cross_attention=False, normalize_before=True, activation_fn="gelu")
+    x = torch.randn(2, 5, 16)
+    full = layer(x, AttentionMask(causal=True))
+    no_padding = torch.zeros(2, 5, dtype=torch.bool)
+    want = reference_encoder_layer(layer, x, no_padding, True, causal=True)
+    torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-5)
+    cache = {}
+    steps = [layer(x[:, t : t + 1], AttentionMask(causal=True), cache=cache) for t in range(5)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_layer_options_are_named():
+    with pytest.raises(ValueError, match="activation_fn 'swish' is not one the fused kernels have"):
+        EncoderLayer(16, 2, 24, activation_fn="swish")
+    with pytest.raises(ValueError, match="embed_dim 30 is not divisible by num_heads 4"):
+        EncoderLayer(30, 4, 24)
+
+
+@pytest.mark.parametrize("learned_positions", [False, True])
+def test_the_embedding_is_scaled_tokens_plus_positions(learned_positions):
+    pad = 1
+    emb = Embedding(13, 8, pad, learned_positions=learned_positions, max_positions=10, scale=2.0)
+    tokens = torch.randint(2, 13, (3, 6))
+    tokens[1, 4:] = pad
+    out = emb(tokens)
+    positions = torch.cumsum(tokens.ne(pad), 1) * tokens.ne(pad) + pad
+    if learned_positions:
+        pos = emb.positions[positions]
+    else:  # fairseq's sinusoids: [sin | cos] of position x 10000^(-i / (half - 1))
+        freq = torch.exp(torch.arange(4.0) * -(torch.log(torch.tensor(10000.0)) / 3))
+        angle = positions[..., None].float() * freq
+        pos = torch.cat([angle.sin(), angle.cos()], -1)
+    want = (2.0 * emb.weight[tokens] + pos) * tokens.ne(pad)[..., None]
+    torch.testing.assert_close(out, want)
 
 
 def fairseq_adam_reference(params, grads_per_step, lr, betas, eps, weight_decay):

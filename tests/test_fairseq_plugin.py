@@ -9,8 +9,8 @@ import textwrap
 import pytest
 from conftest import REPO, USER_DIR, bin_path, run
 
-CORE = ["ls_fairseq", "ls_fairseq.ops", "ls_fairseq.models.layers", "ls_fairseq.optim.workspace_adam",
-        "ls_fairseq.loss"]
+CORE = ["ls_fairseq", "ls_fairseq.ops", "ls_fairseq.layers", "ls_fairseq.models.layers",
+        "ls_fairseq.optim.workspace_adam", "ls_fairseq.loss"]
 
 # makes every import of fairseq fail, as where it is not installed
 BLOCK_FAIRSEQ = textwrap.dedent("""
