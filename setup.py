@@ -92,4 +92,6 @@ setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     entry_points={"console_scripts": ["ls-fairseq-train = ls_fairseq.train:cli_main"]},
+    # ls_fairseq.hf: the fused layer in Hugging Face BERT models
+    extras_require={"hf": ["transformers>=5,<6"]},
 )
