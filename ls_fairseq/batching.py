@@ -7,11 +7,22 @@ and then padded to 24 a sentence, 1.4x the tensors ``--max-tokens`` allowed for,
 which raises the peak memory accordingly (docs/perf-log.md). ``ls-fairseq-train``
 counts each sentence at its padded length instead, so ``--max-tokens`` bounds the
 padded batch, as it bounds an unpadded one.
+
+With ``--ls-packed`` the training split's batches are packed instead
+(``PackedDataset``, ls_fairseq.packing): the same sentences as fairseq's batching
+puts together, each side's real tokens as one stream. The fairseq plugin has fairseq's
+Trainer call ``pack_training_batches``, so fairseq-train --user-dir and ls-fairseq-train
+both train packed.
 """
+import logging
 import weakref
 
 import numpy as np
 from fairseq.data import BaseWrapperDataset, FairseqDataset
+
+from ls_fairseq import packing
+
+logger = logging.getLogger(__name__)
 
 
 def round_up(n, multiple):
@@ -48,3 +59,58 @@ def padded_length_datasets(task_dataset, multiple):
         return wrapped[inner]
 
     return dataset
+
+
+class PackedDataset(BaseWrapperDataset):
+    """A translation ``dataset`` whose batches are collated as fairseq's collater does and then packed
+    (ls_fairseq.packing.pack_sample). Batching is the dataset's own: the same sentences per batch.
+    ``fixed_shapes`` (CUDA graphs): from the batches that batch_by_size made, a Buckets fixes the
+    streams' capacities, segment counts and longest sentences."""
+
+    def __init__(self, dataset, pad, fixed_shapes=False):
+        super().__init__(dataset)
+        self.pad, self.fixed_shapes, self.buckets = pad, fixed_shapes, None
+
+    def batch_by_size(self, indices, max_tokens=None, max_sentences=None, required_batch_size_multiple=1):
+        batches = self.dataset.batch_by_size(indices, max_tokens, max_sentences, required_batch_size_multiple)
+        if self.fixed_shapes and getattr(self.dataset, "tgt_sizes", None) is not None:
+            src, tgt = self.dataset.src_sizes, self.dataset.tgt_sizes
+            self.buckets = packing.Buckets([(src[b], tgt[b]) for b in batches if len(b)])
+            logger.info("--ls-packed: source capacities %s, target capacities %s, %d shapes", self.buckets.src,
+                        self.buckets.tgt, len(self.buckets.shapes))
+        return batches
+
+    def collater(self, samples):
+        sample = self.dataset.collater(samples)
+        if not sample:
+            return sample
+        if "prev_output_tokens" not in sample.get("net_input", {}):
+            raise ValueError("--ls-packed packs translation batches (source, prev_output_tokens, target); "
+                             "this task's batches have {}".format(sorted(sample.get("net_input", sample))))
+        return packing.pack_sample(sample, self.pad, self.buckets)
+
+
+def pack_training_batches(trainer):
+    """With --ls-packed (an ls_transformer option): the trainer's training split packed. Checks that
+    the criterion can take packed batches."""
+    cfg = trainer.cfg
+    if not getattr(cfg.model, "ls_packed", False):
+        return
+    if not hasattr(trainer.criterion, "losses"):
+        raise ValueError("--ls-packed needs --criterion ls_label_smoothed_cross_entropy (the criterion reads the "
+                         "packed target stream); got {}".format(type(trainer.criterion).__name__))
+    task, split = trainer.task, cfg.dataset.train_subset
+    task_dataset = task.dataset
+    wrapped = weakref.WeakKeyDictionary()
+    graphs = bool(getattr(cfg.model, "ls_cuda_graphs", False))
+
+    def dataset(name):
+        inner = task_dataset(name)
+        if name != split:
+            return inner
+        if inner not in wrapped:
+            wrapped[inner] = PackedDataset(inner, task.target_dictionary.pad(), fixed_shapes=graphs)
+        return wrapped[inner]
+
+    task.dataset = dataset
+    logger.info("--ls-packed: training batches of %s packed (validation stays padded)", split)

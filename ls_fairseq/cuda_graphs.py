@@ -51,7 +51,10 @@ def _inputs(sample):
 
 
 def _shape_key(sample):
-    return tuple((name, tuple(t.shape), t.dtype) for name, t in _inputs(sample))
+    """Every input tensor's shape and dtype, and the host numbers of net_input (a packed batch's
+    longest sentences, which the captured kernels take as arguments)."""
+    numbers = tuple(sorted((k, v) for k, v in sample["net_input"].items() if isinstance(v, int)))
+    return tuple((name, tuple(t.shape), t.dtype) for name, t in _inputs(sample)) + numbers
 
 
 @contextlib.contextmanager
@@ -127,7 +130,8 @@ class GraphedTrainStep:
             graph = self.graphs[key] = _Graph(sample, model, criterion, optimizer, self.pool, self.stream)
             self.pool = self.pool or graph.graph.pool()
             logger.info("ls_fairseq: CUDA graph %d captured for the batch shape %s",
-                        len(self.graphs), " ".join("{}={}".format(name, list(shape)) for name, shape, _ in key))
+                        len(self.graphs), " ".join("{}={}".format(entry[0], list(entry[1]) if len(entry) == 3
+                                                                   else entry[1]) for entry in key))
         loss, nll_loss = graph.replay(sample)
         sample_size, logging_output = criterion.logging_outputs(model, sample, loss, nll_loss)
         return loss, sample_size, logging_output

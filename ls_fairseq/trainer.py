@@ -120,7 +120,7 @@ class LSTrainer(Trainer):
 
     def __init__(self, cfg, task, *args, **kwargs):
         super().__init__(cfg, task, *args, **kwargs)
-        if cfg.dataset.required_seq_len_multiple > 1:
+        if cfg.dataset.required_seq_len_multiple > 1 and not getattr(cfg.model, "ls_packed", False):
             task.dataset = padded_length_datasets(task.dataset, cfg.dataset.required_seq_len_multiple)
 
     @property

@@ -28,6 +28,7 @@ from fairseq.optim.adam import Adam as FairseqAdamImpl
 from ls_fairseq import ops
 from ls_fairseq.ops import dispatch
 from ls_fairseq.ops.embedding import sinusoidal
+from ls_fairseq.ops.segment_attention import blocks_attention
 
 TOKENS, HIDDEN, FFN, HEADS, VOCAB, SENT_LEN = 8192, 1024, 4096, 16, 32000, 32
 L2_BYTES = 60 << 20
@@ -158,6 +159,26 @@ def benches(dtype, p):
     rows.append(("attention", attn_inputs, 4 * n * s, 7 * n * s, attn_stock,
                  lambda q, k, v, kpm, additive, dy: ops.attention(q.transpose(1, 2), k.transpose(1, 2),
                                                                   v.transpose(1, 2), ops.AttentionMask(kpm), p)))
+
+    # segment_attention: the same self-attention as packed streams (--ls-packed: sentences of SENT_LEN - 4 and
+    # SENT_LEN tokens one after another, no padding) without dropout, which the GPU runs through varlen
+    # FlashAttention; stock: the op's blocks path on the same streams (the sentences gathered into padded
+    # blocks for the padded attention and scattered back), what the packed step runs with attention dropout
+    lengths = torch.tensor([SENT_LEN - 4 if b % 3 == 0 else SENT_LEN for b in range(B)])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32).cuda()
+    packed_rows = int(lengths.sum())
+    seg_mask = ops.SegmentMask(offsets, offsets, SENT_LEN, SENT_LEN)
+
+    def seg_inputs():
+        return [rand(1, packed_rows, HEADS, HIDDEN // HEADS, dtype=dtype).requires_grad_() for _ in range(3)] + [
+            rand(1, HEADS, packed_rows, HIDDEN // HEADS, dtype=dtype)]
+
+    def heads(*streams):
+        return (t.transpose(1, 2) for t in streams)
+
+    rows.append(("segment_attention", seg_inputs, 4 * packed_rows * HIDDEN * s, 7 * packed_rows * HIDDEN * s,
+                 lambda q, k, v, dy: blocks_attention(*heads(q, k, v), seg_mask, 0.0, True, False, False),
+                 lambda q, k, v, dy: ops.attention(*heads(q, k, v), seg_mask)))
 
     # qkv: bias add + head split of [B, T, 3d]
     def qkv_inputs():

@@ -49,6 +49,7 @@ from ls_fairseq.ops.beam_attention import beam_attention, beam_attention_referen
 from ls_fairseq.ops.decode_attention import (add_bias, decode_attention, decode_attention_reference,  # noqa: E402
                                              gather_history)
 from ls_fairseq.ops.attention import ATTENTION_ROUTE, attention_reference  # noqa: E402
+from ls_fairseq.ops.segment_attention import segment_attention_reference  # noqa: E402
 from ls_fairseq.ops.bias_act_dropout import BIAS_ACT_DROPOUT_ROUTE, bias_act_dropout_forward_reference  # noqa: E402
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout_backward_reference  # noqa: E402
 from ls_fairseq.ops.bias_dropout_residual import BIAS_DROPOUT_RESIDUAL_ROUTE  # noqa: E402
@@ -309,6 +310,45 @@ def case_attention(c):
         return (o,) + torch.autograd.grad(o, leaves, dout.to(dt))
 
     for g, r64, low, name in zip(got, reference(torch.float64), reference(dtype), ("out", "dq", "dk", "dv")):
+        c.kernel(name, g, r64, low)
+
+
+def case_segment_attention(c):
+    """Packed streams (--ls-packed): segments of random lengths (empty ones and ones of length 1 too) and
+    a tail past the last offset, causal self-attention or cross-attention, without dropout (varlen's
+    FlashAttention where it fits on the GPU, else the blocks path), against the block-diagonal oracle."""
+    dtype = c.dtype(("fp16", "bf16") if c.device != "cpu" else ("fp32",))
+    causal = c.pick("causal", (False, True))
+    H, D = c.dim(16, (4, 8, 16)), c.pick("D", (32, 64, 128))
+    segments = c.dim(300, (1, 2, 64, 128))
+
+    def stream(longest):
+        lengths = [c.rng.choice((0, 1, c.rng.randint(1, longest))) for _ in range(segments)]
+        lengths[-1] = longest
+        offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32).to(c.device)
+        return offsets, int(offsets[-1]) + c.rng.choice((0, 0, 1, 15))
+
+    longest_q = c.dim(max(1, min(512, c.max_elements // (segments * H * D) or 1)), (1, 31, 64))
+    q_offsets, nq = stream(longest_q)
+    if causal:
+        k_offsets, nk, longest_k = q_offsets, nq, longest_q
+    else:
+        longest_k = c.dim(max(1, min(512, c.max_elements // (segments * H * D) or 1)), (1, 33, 64))
+        k_offsets, nk = stream(longest_k)
+    c.params.update(segments=segments, H=H, nq=nq, nk=nk, longest_q=longest_q, longest_k=longest_k)
+    mask = ops.SegmentMask(q_offsets, k_offsets, longest_q, longest_k, causal=causal)
+    q, k, v = (c.tensor((1, n, H, D), dtype, scale=D**-0.5 if n == nq else 1.0).transpose(1, 2) for n in (nq, nk, nk))
+    dout = c.tensor((1, nq, H, D), dtype).transpose(1, 2)
+
+    def run(fn, dt):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        o = fn(*leaves, mask)
+        return (o,) + torch.autograd.grad(o, leaves, dout.to(dt))
+
+    fill_free_memory(c)
+    got = run(ops.attention, dtype)
+    for g, r64, low, name in zip(got, run(segment_attention_reference, torch.float64),
+                                 run(segment_attention_reference, dtype), ("out", "dq", "dk", "dv")):
         c.kernel(name, g, r64, low)
 
 
@@ -777,6 +817,7 @@ CASES = {
     "qkv": case_qkv,
     "softmax": case_softmax,
     "attention": case_attention,
+    "segment_attention": case_segment_attention,
     "bias_dropout_residual": case_bias_dropout_residual,
     "bias_dropout_residual_layer_norm": case_bias_dropout_residual_layer_norm,
     "bias_act_dropout": case_bias_act_dropout,

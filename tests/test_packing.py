@@ -191,3 +191,28 @@ def test_buckets_fix_segments_and_longest_sentences():
     assert buckets.shape(np.array([5, 3]), np.array([4, 4])) == (32, 32, 8, 30, 29)
     # a batch larger than the epoch's: rounded up, its own segment count and lengths
     assert buckets.shape(np.array([40] * 9), np.array([1] * 9)) == (368, 32, 9, 40, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["post-ln relu sinusoidal shared", "pre-ln gelu learned"])
+def test_packed_step_on_the_gpu_meets_the_2x_rule_against_the_padded_step(variant, dtype, request):
+    """The packed step on the GPU (varlen attention where it fits, the blocks path in cross-attention)
+    against fp64: its loss and every gradient at most twice as far as the padded step's in the same
+    precision, plus a floor."""
+    from helpers import kernel_error
+
+    model64, task = build(**VARIANTS[variant])
+    criterion = LSLabelSmoothedCrossEntropyCriterion(task, False, 0.1)
+    sample = collate(task, [9, 3, 7, 1, 12, 16, 2, 5], [7, 5, 1, 8, 4, 16, 3, 9],
+                     torch.Generator().manual_seed(request.node.ls_seed))
+    packed = packing.pack_sample(sample, task.source_dictionary.pad())
+    ref = step(model64, criterion, packed)
+    model = model64.to("cuda", dtype)
+    on_gpu = [torch.utils._pytree.tree_map(lambda t: t.cuda() if torch.is_tensor(t) else t, s) for s in (sample, packed)]
+    padded, got = step(model, criterion, on_gpu[0]), step(model, criterion, on_gpu[1])
+    ratio, message = kernel_error(got[0].reshape(1), ref[0].reshape(1), padded[0].reshape(1), "loss", floor=1e-4)
+    assert ratio <= 1, message
+    for name in ref[3]:
+        ratio, message = kernel_error(got[3][name], ref[3][name], padded[3][name], name, floor=1e-4)
+        assert ratio <= 1, message

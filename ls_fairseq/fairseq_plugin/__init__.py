@@ -6,9 +6,9 @@ criterion and optimizer classes, the trainer class) changes nothing when importe
 ``ls_transformer`` model and its architectures, the ``ls_label_smoothed_cross_entropy`` criterion
 and the ``ls_adam`` optimizer; allowlists ``argparse.Namespace`` for torch's weights_only loading;
 and wraps, each for the reason written beside it in ``patches()``, fairseq's checkpoint loading and
-writing, its data loading, the translation task's generator, torch's peak-memory reset, the epoch
-iterator's first batch, and fairseq-train's epoch function (a relaunched finished run stops before a
-step). ``install(ls_trainer=True)`` also makes fairseq-train's trainer ``ls_fairseq.trainer.LSTrainer``.
+writing, its data loading, the trainer's batches (packed with --ls-packed), the translation task's
+generator, torch's peak-memory reset, the epoch iterator's first batch, and fairseq-train's epoch
+function (a relaunched finished run stops before a step). ``install(ls_trainer=True)`` also makes fairseq-train's trainer ``ls_fairseq.trainer.LSTrainer``.
 
 Who calls ``install()``:
 - importing this package: ``fairseq-train/-generate/-interactive --user-dir .../ls_fairseq/fairseq_plugin``

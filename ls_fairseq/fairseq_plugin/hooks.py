@@ -4,6 +4,7 @@ import functools
 import logging
 
 from ls_fairseq import memory
+from ls_fairseq.batching import pack_training_batches
 from ls_fairseq.data_checks import check_tokens
 from ls_fairseq.generation import LSSequenceGenerator, unsupported
 
@@ -88,3 +89,15 @@ def stop_finished_run(train):
         return train(cfg, trainer, task, epoch_itr)
 
     return train_epoch
+
+
+def packs_training_batches(init):
+    """fairseq's ``Trainer.__init__`` that then packs the training split's batches with --ls-packed
+    (ls_fairseq.batching.pack_training_batches; nothing changes without it)."""
+
+    @functools.wraps(init)
+    def __init__(trainer, *args, **kwargs):
+        init(trainer, *args, **kwargs)
+        pack_training_batches(trainer)
+
+    return __init__

@@ -42,6 +42,8 @@ def patches(ls_trainer=False):
         Patch(Trainer, "load_checkpoint", checkpoint_hooks.load_on_every_rank,
               "every data-parallel rank reads the file (the pickled hand-over is refused by weights_only), "
               "and a mismatched model or dictionary fails naming the checkpoint"),
+        Patch(Trainer, "__init__", hooks.packs_training_batches,
+              "with --ls-packed the training split's batches are packed streams, under fairseq-train too"),
         Patch(data_utils, "load_indexed_dataset", hooks.checked_load_indexed_dataset,
               "token ids outside the dictionary fail at load, naming the file, not inside a GPU gather"),
         Patch(TranslationTask, "build_generator", hooks.ls_build_generator,

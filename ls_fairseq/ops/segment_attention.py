@@ -55,7 +55,7 @@ def _as_heads(rows):
     return rows.unsqueeze(0).transpose(1, 2)
 
 
-def _blocks_attention(q, k, v, mask, p, training, deterministic, exact_row_term):
+def blocks_attention(q, k, v, mask, p, training, deterministic, exact_row_term):
     q_index, k_index, hidden, keyless, unpack = mask.blocks(q.shape[2])
     S, H, D = mask.segments, q.shape[1], q.shape[3]
 
@@ -95,7 +95,7 @@ def segment_attention(q, k, v, mask, p=0.0, training=True, deterministic=False, 
     p = p if training else 0.0
     if varlen_fits(q, p, training, deterministic, exact_row_term):
         return _varlen_attention(q, k, v, mask)
-    return _blocks_attention(q, k, v, mask, p, training, deterministic, exact_row_term)
+    return blocks_attention(q, k, v, mask, p, training, deterministic, exact_row_term)
 
 
 def segment_attention_reference(q, k, v, mask, p=0.0, training=True, dropout_mask=None):

@@ -67,6 +67,14 @@ SYSTEMS = {
     # the input gradients of kv and vocab in FP8 too (their weights' two FP8 layouts come from one pass)
     "ls-bf16-fp8-dgrad3-graphs": LS + (["--bf16", "--ls-fp8", "--ls-fp8-dgrad", "fc2,kv,vocab", "--ls-cuda-graphs",
                                         "--required-seq-len-multiple", "8"], "ls_fairseq.train"),
+    # packed batches (--ls-packed): no padding in any GEMM or fused op; with graphs, each stream rounded up to
+    # one of 8 capacities per side (no --required-seq-len-multiple: packing drops the padding anyway)
+    "ls-fp16-packed": LS + (["--fp16", "--ls-packed"], "ls_fairseq.train"),
+    "ls-bf16-packed": LS + (["--bf16", "--ls-packed"], "ls_fairseq.train"),
+    "ls-fp16-packed-graphs": LS + (["--fp16", "--ls-packed", "--ls-cuda-graphs"], "ls_fairseq.train"),
+    "ls-bf16-packed-graphs": LS + (["--bf16", "--ls-packed", "--ls-cuda-graphs"], "ls_fairseq.train"),
+    "ls-bf16-fp8-packed": LS + (["--bf16", "--ls-fp8", "--ls-packed"], "ls_fairseq.train"),
+    "ls-bf16-fp8-packed-graphs": LS + (["--bf16", "--ls-fp8", "--ls-packed", "--ls-cuda-graphs"], "ls_fairseq.train"),
     "ls-bf16": LS + (["--memory-efficient-bf16"], "ls_fairseq.train"),
     "ls-bf16-master": LS + (["--bf16"], "ls_fairseq.train"),
     # the plugin under plain fairseq-train --user-dir: fairseq's FP16Optimizer and host-side checks
