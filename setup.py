@@ -92,6 +92,6 @@ setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     entry_points={"console_scripts": ["ls-fairseq-train = ls_fairseq.train:cli_main"]},
-    # python -m ls_fairseq.convert to-ctranslate2
-    extras_require={"ctranslate2": ["ctranslate2>=4.5"]},
+    # python -m ls_fairseq.convert to-ctranslate2; ls_fairseq.hf: the fused layer in Hugging Face BERT models
+    extras_require={"ctranslate2": ["ctranslate2>=4.5"], "hf": ["transformers>=5,<6"]},
 )

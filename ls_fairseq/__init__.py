@@ -1,21 +1,33 @@
-"""ls_fairseq: fused Transformer training for fairseq (a LightSeq2 re-creation).
+"""ls_fairseq: LightSeq2's fused Transformer training, as a library and as a fairseq plugin.
 
-Importing the package (``import ls_fairseq`` or ``--user-dir .../ls_fairseq``)
-registers the ``ls_transformer`` model and its architectures, the
-``ls_label_smoothed_cross_entropy`` criterion and the ``ls_adam`` optimizer,
-allowlists the types that fairseq checkpoints hold for torch's
-weights_only loading (see ``ls_fairseq.checkpoint``), makes fairseq's
-checkpoint writing atomic (same module), checks the token ids of the data
-fairseq loads against its dictionary (``ls_fairseq.data_checks``), and has
-the translation task translate ls models with ``ls_fairseq.generation``
-(fairseq-generate, fairseq-interactive: see there), and has fairseq's trainer
-pack the training batches with --ls-packed (``ls_fairseq.batching``).
+The core needs torch alone and changes nothing when imported: ``ls_fairseq.ops`` (the fused ops),
+the layers, the workspace Adam (``ls_fairseq.optim.workspace_adam.WorkspaceAdam``, a
+torch.optim.Optimizer) and the fused label-smoothed cross-entropy (``ls_fairseq.loss``).
+
+The fairseq plugin is ``ls_fairseq.fairseq_plugin``, whose ``install()`` makes (and lists) every
+change to fairseq and torch. It runs when fairseq imports this package for ``--user-dir
+.../ls_fairseq`` (fairseq-train, fairseq-generate, fairseq-interactive), and only then: a plain
+``import ls_fairseq`` installs nothing. fairseq imports a ``--user-dir`` package only when its name
+is not yet in ``sys.modules``, so a process that imported ls_fairseq before fairseq reads
+``--user-dir`` calls ``ls_fairseq.fairseq_plugin.install()`` itself (ls-fairseq-train does).
 """
-from ls_fairseq import batching, checkpoint, criterions, data_checks, generation, models, optim  # noqa: F401
-
-batching.install()
-checkpoint.install()
-data_checks.install()
-generation.install()
+import os
+import sys
 
 __version__ = "0.1.0"
+
+
+def _imported_for_user_dir():
+    """Whether fairseq's ``import_user_module`` (its ``--user-dir`` option) is importing this package,
+    directly or through a --user-dir folder of hooks that imports it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "import_user_module" and os.path.basename(os.path.dirname(code.co_filename)) == "fairseq":
+            return True
+        frame = frame.f_back
+    return False
+
+
+if _imported_for_user_dir():
+    from ls_fairseq import fairseq_plugin  # noqa: F401 (installs the plugin)

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from ls_fairseq.checkpoint import FAIRSEQ_CHECKPOINT_TYPES
 from ls_fairseq.convert import save_atomic
 
 
@@ -34,9 +35,9 @@ def main(argv=None):
     parser.add_argument("output")
     parser.add_argument("inputs", nargs="+")
     args = parser.parse_args(argv)
-    import ls_fairseq  # noqa: F401 (allowlists the checkpoint types)
-
-    save_atomic(average(args.inputs), args.output)
+    with torch.serialization.safe_globals(list(FAIRSEQ_CHECKPOINT_TYPES)):  # the types fairseq checkpoints hold
+        averaged = average(args.inputs)
+    save_atomic(averaged, args.output)
     print("averaged {} checkpoints into {}".format(len(args.inputs), args.output))
     return 0
 

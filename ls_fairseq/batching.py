@@ -10,18 +10,15 @@ padded batch, as it bounds an unpadded one.
 
 With ``--ls-packed`` the training split's batches are packed instead
 (``PackedDataset``, ls_fairseq.packing): the same sentences as fairseq's batching
-puts together, each side's real tokens as one stream. ``install()`` hooks this into
-fairseq's Trainer, so fairseq-train --user-dir and ls-fairseq-train both train packed.
-
-Also here: the epoch iterator's first batch collated once (``collate_first_batch_once``).
+puts together, each side's real tokens as one stream. The fairseq plugin has fairseq's
+Trainer call ``pack_training_batches``, so fairseq-train --user-dir and ls-fairseq-train
+both train packed.
 """
 import logging
 import weakref
 
 import numpy as np
 from fairseq.data import BaseWrapperDataset, FairseqDataset
-from fairseq.data.iterators import EpochBatchIterator
-from fairseq.trainer import Trainer
 
 from ls_fairseq import packing
 
@@ -117,37 +114,3 @@ def pack_training_batches(trainer):
 
     task.dataset = dataset
     logger.info("--ls-packed: training batches of %s packed (validation stays padded)", split)
-
-
-_TRAINER_INIT = Trainer.__init__
-
-
-def _trainer_init(self, *args, **kwargs):
-    _TRAINER_INIT(self, *args, **kwargs)
-    pack_training_batches(self)
-
-
-def install():
-    """fairseq's Trainer packs the training split's batches with --ls-packed (``pack_training_batches``),
-    for fairseq-train --user-dir as for ls-fairseq-train, whose trainer derives from it."""
-    Trainer.__init__ = _trainer_init
-
-
-_COLLATE_FIRST_BATCH = EpochBatchIterator.first_batch.fget  # fairseq's: collates it on every read
-
-
-def _first_batch_once(iterator):
-    first = iterator.frozen_batches[0] if len(iterator.frozen_batches) else None
-    cached = iterator.__dict__.get("_ls_first_batch")
-    if cached is None or cached[0] is not first:
-        cached = iterator._ls_first_batch = (first, _COLLATE_FIRST_BATCH(iterator))
-    return cached[1]
-
-
-def collate_first_batch_once():
-    """fairseq's trainer reads its epoch iterator's ``first_batch`` (its dummy batch) at the start
-    of every epoch, and the iterator collates the data's first batch again each time, in the main
-    process, while the GPU waits for the epoch's first step. Here the iterator keeps what it collated for as
-    long as its first batch (fairseq's frozen batch list) stays the same, and collates again when
-    fairseq rebuilds that list (``--update-epoch-batch-itr``)."""
-    EpochBatchIterator.first_batch = property(_first_batch_once)

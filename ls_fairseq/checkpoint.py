@@ -1,14 +1,15 @@
-"""Safe, explicit loading of fairseq checkpoints on torch >= 2.6.
+"""Safe, explicit loading of fairseq checkpoints on torch >= 2.6: the library; the fairseq plugin
+installs it (ls_fairseq/fairseq_plugin: checkpoint_hooks.py holds its wrappers of fairseq).
 
 torch.load defaults to weights_only=True there, and fairseq's checkpoints
 pickle one non-tensor type, ``argparse.Namespace`` (the model's legacy
 configuration, and the whole configuration in older checkpoints), which it
-refuses: resume, fairseq-generate and fairseq-validate fail. This module
-allowlists exactly that type with ``torch.serialization.add_safe_globals``;
-weights_only stays on, and a checkpoint that pickles any other type is still
-refused.
+refuses: resume, fairseq-generate and fairseq-validate fail. The plugin
+allowlists exactly that type (``FAIRSEQ_CHECKPOINT_TYPES``) with
+``torch.serialization.add_safe_globals``; weights_only stays on, and a checkpoint
+that pickles any other type is still refused.
 
-It also wraps fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` so that a
+The plugin also wraps fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` so that a
 refused, corrupt or truncated checkpoint fails with a message that names the
 file, the cause, and the other checkpoints beside it; the file is never
 modified.
@@ -17,8 +18,8 @@ Every checkpoint file a run writes appears whole or not at all. fairseq writes
 the first file of a save (``checkpoint_1_500.pt``, ``checkpoint3.pt``) to a
 temporary file and renames it, but copies it to the others
 (``checkpoint_best.pt``, ``checkpoint_last.pt``, ...) in place, so a kill during
-a copy left a truncated ``checkpoint_last.pt``, the file a resume reads. Here
-both go through ``replace_atomically``: the bytes go to ``<name>.tmp`` in the
+a copy left a truncated ``checkpoint_last.pt``, the file a resume reads. With the
+plugin both go through ``replace_atomically``: the bytes go to ``<name>.tmp`` in the
 same folder, are flushed to the disk (fsync), and ``os.replace`` puts the file
 in place in one step; the folder is synced after it. A kill at any moment leaves
 every ``.pt`` file either its old or its new whole content, and at most a stale
@@ -37,7 +38,7 @@ checkpoints also record a fingerprint of the source and target dictionaries
 data-bin whose dictionary has the same size but other tokens fails too.
 
 Under data-parallel training every rank reads the checkpoint file itself
-(fairseq's ``--load-checkpoint-on-all-dp-ranks``, turned on by the wrapped
+(fairseq's ``--load-checkpoint-on-all-dp-ranks``, turned on by the plugin's wrapper of
 ``Trainer.load_checkpoint``): by default rank 0 reads it and pickles the
 loaded state to the other ranks, whose torch.load refuses it, since by then
 the state holds fairseq's configuration as an omegaconf DictConfig (measured
@@ -45,15 +46,11 @@ on two H200s: resuming failed on rank 1). Each rank's load goes through the
 same allowlist, which stays as narrow as above.
 """
 import argparse
-import functools
 import hashlib
 import logging
 import os
-import pickle
-import re
 import shutil
 import signal
-import zipfile
 
 import torch
 
@@ -119,7 +116,7 @@ def replace_atomically(path, write, kind="save"):
     fault_point(kind + "_renamed", path)
 
 
-def _copy_into(src, dst):
+def copy_into(src, dst):
     def write(f):
         with open(src, "rb") as s:
             left = os.fstat(s.fileno()).st_size // 2
@@ -133,47 +130,11 @@ def _copy_into(src, dst):
     return write
 
 
-def _remove_stale_temporaries(folder):
+def remove_stale_temporaries(folder):
     for name in os.listdir(folder):
         if name.endswith(".pt.tmp"):
             os.remove(os.path.join(folder, name))
             logger.info("removed %s, left by an interrupted checkpoint save", os.path.join(folder, name))
-
-
-def _atomic_persistent_save(save):
-    """fairseq's ``checkpoint_utils.torch_persistent_save`` through ``replace_atomically``."""
-
-    @functools.wraps(save)
-    def torch_persistent_save(obj, filename, async_write=False):
-        from fairseq.file_io import PathManager
-
-        if async_write or not PathManager.supports_rename(filename):
-            return save(obj, filename, async_write=async_write)
-        _remove_stale_temporaries(os.path.dirname(os.path.abspath(filename)))
-        replace_atomically(filename, lambda f: torch.save(obj, f), kind="save")
-
-    torch_persistent_save.ls_fairseq_guarded = True
-    return torch_persistent_save
-
-
-def _atomic_copy_path_manager():
-    """fairseq's PathManager whose ``copy`` (what ``save_checkpoint`` copies the first file to the
-    others with) goes through ``replace_atomically`` for local paths; given to checkpoint_utils only."""
-    from fairseq.file_io import PathManager
-
-    class AtomicCopyPathManager(PathManager):
-        ls_fairseq_guarded = True
-
-        @staticmethod
-        def copy(src_path, dst_path, overwrite=False):
-            if not (PathManager.supports_rename(src_path) and PathManager.supports_rename(dst_path)):
-                return PathManager.copy(src_path, dst_path, overwrite=overwrite)
-            if not overwrite and os.path.exists(dst_path):
-                raise FileExistsError(dst_path)
-            replace_atomically(dst_path, _copy_into(src_path, dst_path), kind="copy")
-            return True
-
-    return AtomicCopyPathManager
 
 
 class CheckpointLoadError(RuntimeError):
@@ -231,93 +192,3 @@ def dictionary_fingerprints(task):
         if d is not None:
             found[side] = {"size": len(d), "sha256": hashlib.sha256("\n".join(d.symbols).encode()).hexdigest()[:16]}
     return found
-
-
-def _with_dictionaries(state_dict):
-    @functools.wraps(state_dict)
-    def trainer_state_dict(trainer):
-        state = state_dict(trainer)
-        if trainer.task is not None:
-            state["extra_state"]["ls_dictionaries"] = dictionary_fingerprints(trainer.task)
-        return state
-
-    trainer_state_dict.ls_fairseq_guarded = True
-    return trainer_state_dict
-
-
-def _guarded(load):
-    @functools.wraps(load)
-    def load_checkpoint_to_cpu(path, *args, **kwargs):
-        try:
-            return load(path, *args, **kwargs)
-        except pickle.UnpicklingError as e:
-            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-            raise CheckpointLoadError(
-                "{}: refused by torch's weights_only loading: it pickles {}, which is not a type that fairseq "
-                "checkpoints hold (allowed: {})".format(
-                    path,
-                    found.group(1) if found else "a type outside the allowlist ({})".format(str(e).splitlines()[-1]),
-                    ", ".join(t.__module__ + "." + t.__name__ for t in FAIRSEQ_CHECKPOINT_TYPES),
-                )
-            ) from e
-        except (RuntimeError, OSError, EOFError, zipfile.BadZipFile) as e:
-            if not os.path.isfile(path):
-                raise
-            folder = os.path.dirname(os.path.abspath(path))
-            others = sorted(f for f in os.listdir(folder) if f.endswith(".pt") and f != os.path.basename(path))
-            raise CheckpointLoadError(
-                "checkpoint {} is corrupt or truncated ({}: {}); it was left as it is. Other checkpoints in {}: {}. "
-                "Resume from one of them with --restore-file, or move the damaged file away.".format(
-                    path, type(e).__name__, e, folder, ", ".join(others) or "none"
-                )
-            ) from e
-
-    load_checkpoint_to_cpu.ls_fairseq_guarded = True
-    return load_checkpoint_to_cpu
-
-
-def _on_every_rank(load_checkpoint):
-    @functools.wraps(load_checkpoint)
-    def trainer_load_checkpoint(trainer, filename, *args, **kwargs):
-        if trainer.data_parallel_world_size > 1:
-            trainer.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
-        try:
-            extra_state = load_checkpoint(trainer, filename, *args, **kwargs)
-        except Exception as e:
-            # fairseq's trainer replaces any model loading error by "please ensure that the architectures match"
-            if isinstance(e.__context__, CheckpointMismatchError):
-                raise CheckpointMismatchError("checkpoint {}: {}".format(filename, e.__context__)) from None
-            raise
-        saved = (extra_state or {}).get("ls_dictionaries", {})
-        for side, now in (dictionary_fingerprints(trainer.task) if saved else {}).items():
-            if side in saved and saved[side] != now:
-                raise CheckpointMismatchError(
-                    "checkpoint {} was trained with another {} dictionary than the data-bin's: {} entries, sha256 {} "
-                    "there, {} entries, sha256 {} here; its token ids would mean other words. Binarize the data with "
-                    "the checkpoint's dictionary (fairseq-preprocess --srcdict/--tgtdict).".format(
-                        filename, side, saved[side]["size"], saved[side]["sha256"], now["size"], now["sha256"]
-                    )
-                )
-        return extra_state
-
-    trainer_load_checkpoint.ls_fairseq_guarded = True
-    return trainer_load_checkpoint
-
-
-def install():
-    """Allowlist fairseq's checkpoint types, guard fairseq's checkpoint loading and make its
-    checkpoint writing atomic (idempotent)."""
-    torch.serialization.add_safe_globals(list(FAIRSEQ_CHECKPOINT_TYPES))
-    from fairseq import checkpoint_utils
-    from fairseq.trainer import Trainer
-
-    if not getattr(checkpoint_utils.load_checkpoint_to_cpu, "ls_fairseq_guarded", False):
-        checkpoint_utils.load_checkpoint_to_cpu = _guarded(checkpoint_utils.load_checkpoint_to_cpu)
-    if not getattr(Trainer.load_checkpoint, "ls_fairseq_guarded", False):
-        Trainer.load_checkpoint = _on_every_rank(Trainer.load_checkpoint)
-    if not getattr(Trainer.state_dict, "ls_fairseq_guarded", False):
-        Trainer.state_dict = _with_dictionaries(Trainer.state_dict)
-    if not getattr(checkpoint_utils.torch_persistent_save, "ls_fairseq_guarded", False):
-        checkpoint_utils.torch_persistent_save = _atomic_persistent_save(checkpoint_utils.torch_persistent_save)
-    if not getattr(checkpoint_utils.PathManager, "ls_fairseq_guarded", False):
-        checkpoint_utils.PathManager = _atomic_copy_path_manager()

@@ -383,7 +383,7 @@ def main(argv=None):
     p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    import ls_fairseq  # noqa: F401 (registers the checkpoint types)
+    from ls_fairseq.checkpoint import FAIRSEQ_CHECKPOINT_TYPES
 
     if not os.path.isfile(args.input):
         parser.error("no such checkpoint: {}".format(args.input))

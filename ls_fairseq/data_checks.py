@@ -4,8 +4,9 @@ A token id at or past the dictionary's size (data binarized with another
 dictionary, a dict.txt replaced afterwards) would reach the embedding's gather:
 on a GPU the kernel reads outside the table (no error, or an illegal memory
 access later), on CPU torch's indexing fails without saying which data is at
-fault. The plugin wraps fairseq's ``data_utils.load_indexed_dataset`` (what the
-translation task, and fairseq's other tasks, load every split with): each
+fault. The fairseq plugin (ls_fairseq.fairseq_plugin) wraps fairseq's
+``data_utils.load_indexed_dataset`` (what the translation task, and fairseq's other tasks, load
+every split with) with ``check_tokens``: each
 memory-mapped dataset it returns (fairseq's default ``mmap`` format) is checked
 in one pass over its token buffer with numpy, before training starts (WMT14's
 train split: about 150M tokens a side, well under a second), so the training
@@ -15,7 +16,6 @@ formats (``--dataset-impl lazy``/``cached``/``raw``) is not checked here.
 Empty lines (fairseq-preprocess keeps one as the end-of-sentence token alone)
 are valid input: the split's count of them is logged as a warning.
 """
-import functools
 import logging
 
 import numpy as np
@@ -61,23 +61,3 @@ def check_tokens(dataset, dictionary, path):
     if empty:
         logger.warning("%s: %d of %d sentences are empty (end-of-sentence token only); they are trained on as they are",
                        path, empty, total)
-
-
-def _checked(load):
-    @functools.wraps(load)
-    def load_indexed_dataset(path, dictionary=None, *args, **kwargs):
-        dataset = load(path, dictionary, *args, **kwargs)
-        if dataset is not None and dictionary is not None:
-            check_tokens(dataset, dictionary, path)
-        return dataset
-
-    load_indexed_dataset.ls_fairseq_guarded = True
-    return load_indexed_dataset
-
-
-def install():
-    """Check every dataset fairseq's ``data_utils.load_indexed_dataset`` loads (idempotent)."""
-    from fairseq.data import data_utils
-
-    if not getattr(data_utils.load_indexed_dataset, "ls_fairseq_guarded", False):
-        data_utils.load_indexed_dataset = _checked(data_utils.load_indexed_dataset)

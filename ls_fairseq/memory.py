@@ -5,8 +5,9 @@ torch's caching allocator counts its allocated bytes, and their peak, on the hos
 training step's peak from a reading of that peak in the criterion's ``reduce_metrics``:
 
 - fairseq's trainer reads and resets the peak after every update (for its ``gb_free``), just before
-  it calls ``reduce_metrics``. ``track()`` wraps ``torch.cuda.reset_peak_memory_stats`` so that every
-  reset, fairseq's included, first folds the peak so far into this module's;
+  it calls ``reduce_metrics``. The fairseq plugin (ls_fairseq.fairseq_plugin) wraps
+  ``torch.cuda.reset_peak_memory_stats`` so that every reset, fairseq's included, first folds the
+  peak so far into this module's (``fold_peak_before_reset``);
 - a CUDA graph's replay allocates nothing: the tensors its kernels make live in the graph's private
   memory pool, allocated once, at capture (ls_fairseq/cuda_graphs.py). So a capture measures how far
   allocations rose above what stays allocated after it (``Rise``), and each replay counts the bytes
@@ -17,7 +18,6 @@ it, in GiB, as the maximum over each of fairseq's aggregators (the log interval,
 CUDA in use in this process, nothing is measured or logged.
 """
 import torch
-from fairseq.logging import meters, metrics
 
 _peak = {"bytes": 0}  # the largest allocated bytes seen since the last take(), besides torch's peak
 
@@ -37,20 +37,11 @@ def _fold(nbytes):
     _peak["bytes"] = max(_peak["bytes"], nbytes)
 
 
-def track():
-    """Make every reset of torch's peak statistics keep the peak so far here first (once per process)."""
-    reset = torch.cuda.reset_peak_memory_stats
-    if getattr(reset, "keeps_ls_fairseq_peak", False):
-        return
-
-    def reset_peak_memory_stats(device=None):
-        if _in_use() and _on_current_device(device):
-            _fold(torch.cuda.max_memory_allocated(device))
-        return reset(device)
-
-    reset_peak_memory_stats.keeps_ls_fairseq_peak = True
-    reset_peak_memory_stats.__doc__ = reset.__doc__
-    torch.cuda.reset_peak_memory_stats = reset_peak_memory_stats
+def fold_peak_before_reset(device=None):
+    """Keep torch's peak so far on ``device`` here, as a reset of torch's peak statistics is about to
+    clear it (what the plugin's wrapper of ``torch.cuda.reset_peak_memory_stats`` calls first)."""
+    if _in_use() and _on_current_device(device):
+        _fold(torch.cuda.max_memory_allocated(device))
 
 
 def take():
@@ -94,6 +85,8 @@ def log_peak(key="gpu_peak_gib", priority=10, round=2):
     """Log ``take()`` in GiB as the maximum over each active aggregator since its last reset. fairseq's
     AverageMeter updated with weight 0 shows its latest value: given the maximum of the value it holds
     and the new one, it shows the maximum, and checkpoints keep fairseq's own meter type."""
+    from fairseq.logging import meters, metrics
+
     peak = take()
     if peak is None:
         return

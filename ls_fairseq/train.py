@@ -1,13 +1,14 @@
 """``ls-fairseq-train``: fairseq-train with the plugin loaded, and bf16 on GPUs.
 
-The same command line as fairseq-train. Seven differences:
+The same command line as fairseq-train. Six differences:
 - ``--help`` lists every option that the command line's components take: those
   of the architecture (``--arch``), task, criterion, optimizer and learning-rate
   scheduler (fairseq's help stops before it adds them), then the options of the
   plugin's own components that the command line did not choose (``print_help``);
 - ``--user-dir`` pointing at this package is added when it is not given;
 - the trainer is ``ls_fairseq.trainer.LSTrainer`` (fairseq's, with ls_adam's
-  mixed-precision step decided on the device: no host sync inside an update);
+  mixed-precision step decided on the device: no host sync inside an update):
+  ``main`` installs the plugin with it (``install(ls_trainer=True)``);
 - ``--bf16`` / ``--memory-efficient-bf16`` train in bf16 on the GPU (or CPU):
   fairseq's option parsing turns ``--bf16`` into ``--tpu``, which fails on a
   GPU, so unless ``--tpu`` is on the command line the flag is taken back after
@@ -17,9 +18,6 @@ The same command line as fairseq-train. Seven differences:
 - training stops fairseq's batch-prefetch threads before the interpreter exits
   (``stop_prefetch_threads``), so a run that ends mid-epoch exits with its own
   status instead of an abort;
-- the epoch iterator collates the data's first batch (the trainer's dummy
-  batch) once, not again at every epoch boundary while the GPU waits
-  (``ls_fairseq.batching.collate_first_batch_once``);
 - with ``--cpu`` under torchrun, each process joins the launcher's group
   (``from_cpu_launcher``): fairseq reads torchrun's environment only for GPUs.
 """
@@ -169,7 +167,10 @@ def cli_main():
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.distributed import utils as distributed_utils
 
+    from ls_fairseq.fairseq_plugin import install
+
     log_as_fairseq_train()
+    install()  # the registrations the options below name (fairseq's --user-dir import finds ls_fairseq taken)
     args = parse_args(with_user_dir(sys.argv[1:]))
     cfg = convert_namespace_to_omegaconf(args)
     if cfg.common.cpu:
@@ -178,16 +179,14 @@ def cli_main():
 
 
 def main(cfg, **kwargs):
-    """fairseq-train's main() with the plugin's trainer. call_main runs it in this process or,
-    for several GPUs, in each spawned worker (a fresh interpreter: the trainer is set there too)."""
+    """fairseq-train's main() with the plugin installed with its trainer. call_main runs it in this
+    process or, for several GPUs, in each spawned worker (a fresh interpreter: installed there too)."""
     from fairseq_cli import train
 
-    from ls_fairseq.batching import collate_first_batch_once
-    from ls_fairseq.trainer import LSTrainer
+    from ls_fairseq.fairseq_plugin import install
 
     log_as_fairseq_train()  # again in a spawned worker, whose imports configured logging their way
-    train.Trainer = LSTrainer  # the name fairseq-train's main() builds its trainer from
-    collate_first_batch_once()
+    install(ls_trainer=True)
     try:
         return train.main(cfg, **kwargs)
     finally:

@@ -333,7 +333,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     import torch
 
-    import ls_fairseq  # noqa: F401 (the plugin: model, checkpoint types)
+    import ls_fairseq.fairseq_plugin  # noqa: F401 (the plugin: model, checkpoint types)
 
     cuda = torch.cuda.is_available() and not args.cpu
     names = chosen_systems(cuda, args.fairseq_on_ls, args.systems)

@@ -160,7 +160,7 @@ def last_updates(log, start):
 def checkpoint_updates(path):
     import torch
 
-    import ls_fairseq  # noqa: F401 (the checkpoint allowlist)
+    import ls_fairseq.fairseq_plugin  # noqa: F401 (the checkpoint allowlist)
 
     state = torch.load(path, map_location="cpu", weights_only=True)
     assert "model" in state and state["model"], "{}: no model state".format(path)

@@ -56,7 +56,7 @@ def main(argv=None):
     from fairseq import checkpoint_utils
     from torch.profiler import ProfilerActivity, profile
 
-    import ls_fairseq  # noqa: F401 (the plugin)
+    import ls_fairseq.fairseq_plugin  # noqa: F401 (the plugin)
     from ls_fairseq.generation import LSSequenceGenerator
     from ls_fairseq.generation.cache import DecoderCache
 
@@ -117,7 +117,7 @@ def breakdown(args):
     import torch
     from fairseq import checkpoint_utils
 
-    import ls_fairseq  # noqa: F401 (the plugin)
+    import ls_fairseq.fairseq_plugin  # noqa: F401 (the plugin)
     from ls_fairseq.generation import LSSequenceGenerator, sequence_generator
     from ls_fairseq.generation.cache import DecoderCache
     from ls_fairseq.generation.graphs import StepGraph

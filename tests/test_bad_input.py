@@ -11,8 +11,9 @@ import torch
 from fairseq.data import data_utils, indexed_dataset
 from model_utils import batch, build_pair, dictionary, model_args
 
-import ls_fairseq  # noqa: F401 (installs the data checks and the checkpoint checks)
-from ls_fairseq.checkpoint import CheckpointMismatchError, _on_every_rank, _with_dictionaries, dictionary_fingerprints
+import ls_fairseq.fairseq_plugin  # noqa: F401 (installs the data checks and the checkpoint checks)
+from ls_fairseq.checkpoint import CheckpointMismatchError, dictionary_fingerprints
+from ls_fairseq.fairseq_plugin.checkpoint_hooks import load_on_every_rank, with_dictionaries
 from ls_fairseq.data_checks import DataError
 from ls_fairseq.models.ls_transformer import LSTransformerModel
 from ls_fairseq.models.ls_transformer import base_architecture as ls_base
@@ -140,9 +141,9 @@ def fake_trainer(d):
 
 def test_checkpoints_record_the_dictionaries_and_a_resume_on_other_tokens_is_refused():
     d = dictionary()
-    saved = _with_dictionaries(lambda trainer: {"extra_state": {"epoch": 1}})(fake_trainer(d))
+    saved = with_dictionaries(lambda trainer: {"extra_state": {"epoch": 1}})(fake_trainer(d))
     assert saved["extra_state"]["ls_dictionaries"] == dictionary_fingerprints(fake_trainer(d).task)
-    load = _on_every_rank(lambda trainer, filename, *a, **k: saved["extra_state"])
+    load = load_on_every_rank(lambda trainer, filename, *a, **k: saved["extra_state"])
     assert load(fake_trainer(d), "checkpoint_last.pt")["epoch"] == 1  # the same dictionary: resumes
     shuffled = dictionary()
     shuffled.symbols[5], shuffled.symbols[6] = shuffled.symbols[6], shuffled.symbols[5]
@@ -160,7 +161,7 @@ def test_fairseqs_generic_load_error_is_replaced_by_the_mismatch():
                             "match.".format(filename))
 
     with pytest.raises(CheckpointMismatchError, match=r"^checkpoint ck\.pt: its encoder\.embed_tokens\.weight has 54"):
-        _on_every_rank(load)(fake_trainer(dictionary()), "ck.pt")
+        load_on_every_rank(load)(fake_trainer(dictionary()), "ck.pt")
 
 
 def test_an_extension_older_than_its_sources_is_noticed(tmp_path, caplog):

@@ -74,7 +74,7 @@ def test_the_first_batch_is_collated_once_while_it_stays_the_same(monkeypatch):
     fairseq's, and collated again when fairseq rebuilds its batch list (a new first batch)."""
     from fairseq.data import iterators
 
-    import ls_fairseq.batching as batching
+    from ls_fairseq.fairseq_plugin.hooks import first_batch_once
 
     dataset = pairs(60, 8)
     calls = []
@@ -86,10 +86,12 @@ def test_the_first_batch_is_collated_once_while_it_stays_the_same(monkeypatch):
     def batch_sampler(data, epoch):  # fairseq's callable form: rebuilt when the epoch changes
         return dataset.batch_by_size(dataset.ordered_indices(), max_tokens=64 + epoch)
 
-    monkeypatch.setattr(iterators.EpochBatchIterator, "first_batch", iterators.EpochBatchIterator.first_batch)
+    stock = vars(iterators.EpochBatchIterator)["first_batch"]
+    stock = property(getattr(stock.fget, "__wrapped__", stock.fget))  # fairseq's own, the plugin installed or not
+    monkeypatch.setattr(iterators.EpochBatchIterator, "first_batch", stock)
     iterator = iterators.EpochBatchIterator(dataset, collate, batch_sampler)
     want = iterator.first_batch
-    batching.collate_first_batch_once()
+    monkeypatch.setattr(iterators.EpochBatchIterator, "first_batch", first_batch_once(stock))
     calls.clear()
     got = [iterator.first_batch for _ in range(3)]
     assert len(calls) == 1 and all(g is got[0] for g in got)

@@ -4,7 +4,7 @@ import fractions
 import pytest
 import torch
 
-import ls_fairseq  # noqa: F401 (installs the allowlist and the guarded loader)
+import ls_fairseq.fairseq_plugin  # noqa: F401 (installs the allowlist and the guarded loader)
 from fairseq import checkpoint_utils
 
 from ls_fairseq.checkpoint import CheckpointLoadError

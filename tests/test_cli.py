@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import USER_DIR, bin_path, run
 
-import ls_fairseq  # noqa: F401 (allowlists the checkpoint types for torch.load below)
+import ls_fairseq.fairseq_plugin  # noqa: F401 (allowlists the checkpoint types for torch.load below)
 
 pytestmark = pytest.mark.slow
 

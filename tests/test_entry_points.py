@@ -9,7 +9,7 @@ from conftest import USER_DIR, bin_path, run
 from helpers import rel_error
 from test_cli import ONE_GPU, TRAIN
 
-import ls_fairseq  # noqa: F401 (allowlists the checkpoint types for torch.load below)
+import ls_fairseq.fairseq_plugin  # noqa: F401 (allowlists the checkpoint types for torch.load below)
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-import ls_fairseq  # noqa: F401 (installs the atomic save and copy)
+import ls_fairseq.fairseq_plugin  # noqa: F401 (installs the atomic save and copy)
 from conftest import REPO
 from fairseq import checkpoint_utils
 
@@ -58,7 +58,7 @@ def test_a_kill_inside_a_copy_leaves_the_old_destination(tmp_path, point):
     torch.save({"w": torch.zeros(1000)}, old)
     torch.save({"w": torch.ones(1000)}, new)
     before = old.read_bytes()
-    code = "import ls_fairseq; from fairseq import checkpoint_utils as c; c.PathManager.copy({!r}, {!r}, True)".format(
+    code = "import ls_fairseq.fairseq_plugin; from fairseq import checkpoint_utils as c; c.PathManager.copy({!r}, {!r}, True)".format(
         str(new), str(old))
     proc = run([sys.executable, "-c", code], env={"LS_FAIRSEQ_TEST_KILL_AT": point})
     assert proc.returncode == -9 and "SIGKILL at " + point in proc.stdout, proc.stdout + proc.stderr[-2000:]

@@ -6,13 +6,13 @@ import re
 
 import pytest
 import torch
-from conftest import USER_DIR, bin_path, run
+from conftest import REPO, USER_DIR, bin_path, run
 from fairseq import checkpoint_utils
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 from fairseq.search import BeamSearch
 from fairseq.sequence_generator import SequenceGenerator
 
-import ls_fairseq  # noqa: F401 (the plugin: registrations, the generator hook)
+import ls_fairseq.fairseq_plugin  # noqa: F401 (the plugin: registrations, the generator hook)
 from ls_fairseq.generation import LSSequenceGenerator, sequence_generator, unsupported
 
 TRAIN = [
@@ -472,8 +472,8 @@ def test_the_task_builds_the_ls_generator_or_falls_back_with_a_notice(loaded, ca
     from fairseq.tasks.translation import TranslationTask
 
     wrapper = TranslationTask.build_generator
-    ls_fairseq.generation.install()  # importing the plugin again wraps nothing twice
-    assert TranslationTask.build_generator is wrapper and wrapper.ls_fairseq_wrapped
+    ls_fairseq.fairseq_plugin.install()  # installing the plugin again wraps nothing twice
+    assert TranslationTask.build_generator is wrapper and not hasattr(wrapper.__wrapped__, "__wrapped__")
 
 
 # sampling (fairseq's search.Sampling) in the ls generator
@@ -772,7 +772,7 @@ def test_bench_generate_smoke(data_bin, trained, tmp_path):
 
     proc = run([sys.executable, "scripts/bench_generate.py", "--out", str(tmp_path), "--smoke", "--cpu", "--fairseq-on-ls",
                 "--data-bin", str(data_bin / "data-bin"), "--checkpoint", "tiny={}".format(trained), "--repeats", "2"],
-               cwd=USER_DIR.rsplit("/", 1)[0])
+               cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())
     assert {(r["system"], r["beam"], r["batch"]) for r in rows} == {
@@ -793,7 +793,7 @@ def test_bench_generate_systems_are_chosen_by_name_with_stock_kept():
     the stock system that the others are measured against."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_generate", USER_DIR.rsplit("/", 1)[0] + "/scripts/bench_generate.py")
+    spec = importlib.util.spec_from_file_location("bench_generate", REPO + "/scripts/bench_generate.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert [s[0] for s in bench.chosen_systems(True, False, "ls-fp16,stock-fp16")] == ["stock-fp16", "ls-fp16"]
@@ -810,7 +810,7 @@ def test_profile_generate_breakdown_parts_add_up(data_bin, trained):
 
     proc = run([sys.executable, "scripts/profile_generate.py", "--data-bin", str(data_bin / "data-bin"),
                 "--checkpoint", str(trained), "--sentences", "12", "--batch-size", "4"],
-               cwd=USER_DIR.rsplit("/", 1)[0])
+               cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     head = re.search(r"12 sentences in 3 batches of up to 4, beam 4, float32 on cpu \(eager\): [0-9.]+ ms plain, "
                      r"([0-9.]+) ms instrumented", proc.stdout)

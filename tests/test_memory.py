@@ -8,6 +8,7 @@ from fairseq.logging.meters import MetersDict
 
 from ls_fairseq import cuda_graphs, memory
 from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import LSLabelSmoothedCrossEntropyCriterion
+from ls_fairseq.fairseq_plugin import install
 
 GIB = 2**30
 
@@ -40,10 +41,10 @@ def allocator(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: fake.allocated)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: fake.peak)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", fake.reset)  # put back after the test
-    memory.track()
+    install()  # the plugin's wrapper of the stand-in reset
     wrapper = torch.cuda.reset_peak_memory_stats
-    memory.track()  # once per process: a second call does not wrap the wrapper
-    assert torch.cuda.reset_peak_memory_stats is wrapper
+    install()  # a second install does not wrap the wrapper
+    assert torch.cuda.reset_peak_memory_stats is wrapper and wrapper.__wrapped__ == fake.reset
     return fake
 
 

@@ -6,7 +6,7 @@ import torch
 from conftest import USER_DIR, bin_path, run
 from test_cli import TRAIN, generate, hypotheses, updates
 
-import ls_fairseq  # noqa: F401 (installs the plugin's hooks into fairseq's Trainer)
+import ls_fairseq.fairseq_plugin  # noqa: F401 (installs the plugin's hooks into fairseq's Trainer)
 from ls_fairseq import packing
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from helpers import DEVICES
 from test_ls_adam import data, loss_of, small_model
 from test_mixed_precision import INIT_SCALE, device_step, train_step
 
-import ls_fairseq  # noqa: F401 (the checkpoint allowlist for torch.load below)
+import ls_fairseq.fairseq_plugin  # noqa: F401 (the checkpoint allowlist for torch.load below)
 from ls_fairseq.ops.adam import OVERFLOW, STEP
 from ls_fairseq.optim.mixed_precision import MAX_NONFINITE_RUN
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import ls_fairseq  # noqa: F401
+import ls_fairseq.fairseq_plugin  # noqa: F401
 from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.models import ARCH_MODEL_REGISTRY, MODEL_REGISTRY
 from fairseq.optim import OPTIMIZER_REGISTRY

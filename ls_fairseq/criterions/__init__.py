@@ -1,1 +1,1 @@
-from ls_fairseq.criterions import ls_label_smoothed_cross_entropy  # noqa: F401 (registers the criterion)
+"""The fairseq criterion ls_label_smoothed_cross_entropy (registered by ls_fairseq.fairseq_plugin)."""

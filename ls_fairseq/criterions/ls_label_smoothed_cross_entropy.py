@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import torch
 from fairseq import metrics, utils
-from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
     LabelSmoothedCrossEntropyCriterionConfig,
@@ -30,13 +29,11 @@ class LSLabelSmoothedCrossEntropyCriterionConfig(LabelSmoothedCrossEntropyCriter
     )
 
 
-@register_criterion("ls_label_smoothed_cross_entropy", dataclass=LSLabelSmoothedCrossEntropyCriterionConfig)
 class LSLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
                  ls_peak_tflops=989.0):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         self.peak_flops = ls_peak_tflops * 1e12
-        memory.track()  # fairseq's trainer resets the allocator's peak before reduce_metrics reads it
 
     def forward(self, model, sample, reduce=True):
         if self.report_accuracy:  # fairseq's forward, which reads the accuracy counts back from the device

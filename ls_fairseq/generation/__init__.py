@@ -1,20 +1,16 @@
 """Translation with ls models through fairseq-generate and fairseq-interactive, unchanged.
 
 fairseq takes the task from the command line (default ``translation``), so a task of our own would
-need ``--task`` on every command. Instead, importing the plugin (``--user-dir ls_fairseq``) wraps
+need ``--task`` on every command. Instead, the fairseq plugin (ls_fairseq.fairseq_plugin) wraps
 ``TranslationTask.build_generator``, which fairseq-generate, fairseq-interactive, the hub interface
 and --eval-bleu all call: when the one model is an ls_transformer and every generation option is
 one that ``LSSequenceGenerator`` implements, it returns that generator (logging one line saying
 so: beam search or sampling); otherwise fairseq's own generator, with one line naming the reason. Tasks derived from
 TranslationTask that define their own build_generator are left as they are.
 """
-import logging
-
 from ls_fairseq.generation.sequence_generator import LSSequenceGenerator
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["LSSequenceGenerator", "install", "unsupported"]
+__all__ = ["LSSequenceGenerator", "unsupported"]
 
 # generation options (fairseq's GenerationConfig) that only fairseq's generators implement, with
 # the value that means "off"
@@ -60,27 +56,3 @@ def unsupported(models, args, tgt_dict, seq_gen_cls=None, extra_gen_cls_kwargs=N
     if getattr(args, "temperature", 1.0) <= 0:
         return "--temperature {}".format(args.temperature)
     return None
-
-
-def install():
-    """Wrap TranslationTask.build_generator (once; see the module docstring)."""
-    from fairseq.tasks.translation import TranslationTask
-
-    stock = TranslationTask.build_generator
-    if getattr(stock, "ls_fairseq_wrapped", False):
-        return
-
-    def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
-        reason = unsupported(models, args, self.target_dictionary, seq_gen_cls, extra_gen_cls_kwargs,
-                             prefix_allowed_tokens_fn)
-        if reason is None:
-            logger.info("ls_fairseq: %s on the device (ls_fairseq.generation.LSSequenceGenerator)",
-                        "sampling" if getattr(args, "sampling", False) else "beam search")
-            return LSSequenceGenerator.from_args(models, self.target_dictionary, args)
-        logger.info("ls_fairseq: fairseq's generator (%s)", reason)
-        return stock(self, models, args, seq_gen_cls=seq_gen_cls, extra_gen_cls_kwargs=extra_gen_cls_kwargs,
-                     prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
-
-    build_generator.ls_fairseq_wrapped = True
-    build_generator.__doc__ = stock.__doc__
-    TranslationTask.build_generator = build_generator

@@ -1,1 +1,2 @@
-from ls_fairseq.models import ls_transformer  # noqa: F401 (registers the model and its architectures)
+"""The fairseq model ls_transformer (ls_fairseq.models.ls_transformer, registered by
+ls_fairseq.fairseq_plugin) and its layers built from fairseq's configuration."""

@@ -1,196 +1,21 @@
-"""Encoder and decoder layers of ls_transformer, built from ls_fairseq.ops.
-
-Each layer holds only parameters (named as in fairseq's transformer, except the
-fused projections) and runs: GEMMs through torch (cuBLAS on the GPU), every
-other operation through one fused op. Activations are batch-major [B, T, d].
-
-  self-attention:  LN? -> GEMM(qkv) -> split_heads(+bias, q scaled; token-major, so that
-                   attention's output merges its heads as a view) -> attention
-                   -> GEMM(out, heads merged inside) -> bias_dropout_residual (-> LN: one op)
-  FFN:             LN? -> GEMM(fc1) with bias + ReLU in its epilogue (or then bias_act_dropout) -> GEMM(fc2)
-                   -> bias_dropout_residual (-> LN: one op)
-
-A decoding step (forward_step) has no split_heads: its attention ops take the GEMM's output as it is
-and add the bias and scale the query themselves.
-
-In backward the residual's gradient is not added by autograd: the block's end hands it to
-the block's first op on x (post-LN: the first GEMM, which accumulates into it; pre-LN: the
-LayerNorm), see ops.residual.
-"""
-import math
-
-import torch
-import torch.nn as nn
-
-from ls_fairseq import ops
-from ls_fairseq.ops.beam_attention import beam_attention
+"""ls_transformer's encoder and decoder layers: the core layers (ls_fairseq/layers.py) built from
+fairseq's configuration (``cfg``: the model's arguments) and the model's FP8 recipe."""
+from ls_fairseq import layers
 
 
-def _xavier_blocks(weight, block_rows, gain):
-    """fairseq's init of separate q/k/v projections, applied block by block."""
-    for start in range(0, weight.shape[0], block_rows):
-        nn.init.xavier_uniform_(weight.data[start : start + block_rows], gain=gain)
+def _options(cfg, side, fp8):
+    return dict(normalize_before=getattr(cfg, side + "_normalize_before"), activation_fn=cfg.activation_fn,
+                dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
+                activation_dropout=cfg.activation_dropout, deterministic=cfg.ls_deterministic, fp8=fp8)
 
 
-class SelfAttention(nn.Module):
-    """Parameters of one self-attention block: fused qkv_proj ([q; k; v]) and out_proj."""
-
-    def __init__(self, embed_dim, num_heads):
-        super().__init__()
-        self.num_heads = num_heads
-        self.scaling = (embed_dim // num_heads) ** -0.5
-        self.qkv_proj = nn.Linear(embed_dim, 3 * embed_dim)
-        self.out_proj = nn.Linear(embed_dim, embed_dim)
-        _xavier_blocks(self.qkv_proj.weight, embed_dim, 1 / math.sqrt(2))
-        nn.init.uniform_(self.qkv_proj.bias, -(embed_dim**-0.5), embed_dim**-0.5)
-        nn.init.xavier_uniform_(self.out_proj.weight)
-        nn.init.constant_(self.out_proj.bias, 0.0)
-
-
-class CrossAttention(nn.Module):
-    """Query and output projections of one cross-attention block; the keys and
-    values of all layers come from the decoder's single encoder_attn_kv_proj."""
-
-    def __init__(self, embed_dim, num_heads):
-        super().__init__()
-        self.num_heads = num_heads
-        self.scaling = (embed_dim // num_heads) ** -0.5
-        self.q_proj = nn.Linear(embed_dim, embed_dim)
-        self.out_proj = nn.Linear(embed_dim, embed_dim)
-        nn.init.xavier_uniform_(self.q_proj.weight, gain=1 / math.sqrt(2))
-        nn.init.xavier_uniform_(self.out_proj.weight)
-        nn.init.constant_(self.out_proj.bias, 0.0)
-
-
-class _Layer(nn.Module):
-    def __init__(self, embed_dim, ffn_dim, num_heads, normalize_before, cfg, fp8, gemms):
-        """``fp8``: the model's ops.Fp8Recipe (--ls-fp8) or None; ``gemms``: this layer's linear layers,
-        each with the recipe's name for it."""
-        super().__init__()
-        self.fp8 = {key: fp8.gemm(name) for key, name in gemms.items()} if fp8 is not None else {}
-        self.normalize_before = normalize_before
-        self.dropout = cfg.dropout
-        self.attention_dropout = cfg.attention_dropout
-        self.activation_dropout = cfg.activation_dropout
-        self.activation_fn = cfg.activation_fn
-        self.deterministic = cfg.ls_deterministic
-        self.self_attn = SelfAttention(embed_dim, num_heads)
-        self.self_attn_layer_norm = nn.LayerNorm(embed_dim)
-        self.fc1 = nn.Linear(embed_dim, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, embed_dim)
-        self.final_layer_norm = nn.LayerNorm(embed_dim)
-
-    def _fp8(self, name):
-        """The Fp8Gemm of linear layer ``name`` in training, else None (evaluation stays in the run's dtype)."""
-        return self.fp8.get(name) if self.training else None
-
-    def _block_output(self, out, bias, x, ln, residual):
-        """The block's end: x + dropout(out + bias), then LN post-LN (one op)."""
-        if self.normalize_before:
-            return ops.bias_dropout_residual(out, bias, x, self.dropout, self.training, residual_grad=residual)
-        return ops.bias_dropout_residual_layer_norm(out, bias, x, ln.weight, ln.bias, self.dropout, self.training,
-                                                    residual_grad=residual)
-
-    def _block_input(self, x, ln):
-        """(h, residual, gemm_residual) for a block on x: h its branch's input (x, or LN(x) pre-LN);
-        residual the ops.ResidualGrad that hands the residual's gradient from the block's end to its
-        first op on x (pre-LN: the LayerNorm; post-LN: the first GEMM, given gemm_residual)."""
-        residual = ops.ResidualGrad()
-        if self.normalize_before:
-            return ops.layer_norm(x, ln.weight, ln.bias, residual_grad=residual), residual, None
-        return x, residual, residual
-
-    def _self_attention(self, x, mask, cache=None):
-        attn = self.self_attn
-        h, residual, gemm_residual = self._block_input(x, self.self_attn_layer_norm)
-        q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight, residual_grad=gemm_residual, fp8=self._fp8("qkv")),
-                                  attn.qkv_proj.bias, attn.num_heads, 3, attn.scaling, token_major=True)
-        if cache is not None:
-            if "k" in cache:
-                k = torch.cat([cache["k"], k], dim=2)
-                v = torch.cat([cache["v"], v], dim=2)
-            cache["k"], cache["v"] = k, v
-        ctx = ops.attention(q, k, v, mask, self.attention_dropout, self.training, self.deterministic)
-        out = ops.linear(ctx, attn.out_proj.weight, heads=True, fp8=self._fp8("out"))
-        return self._block_output(out, attn.out_proj.bias, x, self.self_attn_layer_norm, residual)
-
-    def _ffn(self, x):
-        h, residual, gemm_residual = self._block_input(x, self.final_layer_norm)
-        h = ops.linear_bias_act(h, self.fc1.weight, self.fc1.bias, self.activation_fn, self.activation_dropout,
-                                self.training, residual_grad=gemm_residual, fp8=self._fp8("fc1"))
-        return self._block_output(ops.linear(h, self.fc2.weight, fp8=self._fp8("fc2")), self.fc2.bias, x,
-                                  self.final_layer_norm, residual)
-
-
-_LAYER_GEMMS = {"qkv": "qkv", "out": "out", "fc1": "fc1", "fc2": "fc2"}
-
-
-class EncoderLayer(_Layer):
+class EncoderLayer(layers.EncoderLayer):
     def __init__(self, cfg, fp8=None):
-        super().__init__(
-            cfg.encoder_embed_dim,
-            cfg.encoder_ffn_embed_dim,
-            cfg.encoder_attention_heads,
-            cfg.encoder_normalize_before,
-            cfg,
-            fp8,
-            _LAYER_GEMMS,
-        )
-
-    def forward(self, x, mask):
-        x = self._self_attention(x, mask)
-        return self._ffn(x)
+        super().__init__(cfg.encoder_embed_dim, cfg.encoder_attention_heads, cfg.encoder_ffn_embed_dim,
+                         **_options(cfg, "encoder", fp8))
 
 
-class DecoderLayer(_Layer):
+class DecoderLayer(layers.DecoderLayer):
     def __init__(self, cfg, fp8=None):
-        super().__init__(
-            cfg.decoder_embed_dim,
-            cfg.decoder_ffn_embed_dim,
-            cfg.decoder_attention_heads,
-            cfg.decoder_normalize_before,
-            cfg,
-            fp8,
-            dict(_LAYER_GEMMS, q="q", cross_out="out"),
-        )
-        self.encoder_attn = CrossAttention(cfg.decoder_embed_dim, cfg.decoder_attention_heads)
-        self.encoder_attn_layer_norm = nn.LayerNorm(cfg.decoder_embed_dim)
-
-    def forward(self, x, self_mask, enc_k, enc_v, enc_mask, cache=None):
-        """enc_k/enc_v: this layer's keys and values of the encoder output [B, heads, S, d_head];
-        ``cache`` (a dict) holds the self-attention keys/values in incremental decoding."""
-        x = self._self_attention(x, self_mask, cache=cache)
-        attn = self.encoder_attn
-        h, residual, gemm_residual = self._block_input(x, self.encoder_attn_layer_norm)
-        (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight, residual_grad=gemm_residual, fp8=self._fp8("q")),
-                               attn.q_proj.bias, attn.num_heads, 1, attn.scaling)
-        ctx = ops.attention(q, enc_k, enc_v, enc_mask, self.attention_dropout, self.training, self.deterministic,
-                            exact_row_term=True)
-        out = ops.linear(ctx, attn.out_proj.weight, heads=True, fp8=self._fp8("cross_out"))
-        x = self._block_output(out, attn.out_proj.bias, x, self.encoder_attn_layer_norm, residual)
-        return self._ffn(x)
-
-    def forward_step(self, x, cache, index):
-        """One step of incremental decoding (ls_fairseq.generation): x [N, 1, d] for the token at the
-        cache's step of N = sentences x beams hypotheses. This layer's self-attention keys and
-        values go into ``cache`` (a generation.DecoderCache; ``index`` this layer's number) at
-        the step and the query attends to positions 0..step; the cross-attention takes the cache's
-        keys and values of the encoder output (computed once per batch, one row per sentence) with
-        the beams of a sentence as one block of queries, so they are never copied per beam. Both
-        attention ops take their projection's GEMM output as it is, adding the bias and scaling
-        the query themselves (no split_heads launch)."""
-        attn = self.self_attn
-        h, residual, _ = self._block_input(x, self.self_attn_layer_norm)
-        q, k, v = ops.linear(h, attn.qkv_proj.weight).view(x.shape[0], 3, attn.num_heads, 1, -1).unbind(1)
-        ctx = cache.attend(index, q, k, v, attn.qkv_proj.bias, attn.scaling)
-        x = self._block_output(ops.linear(ctx, attn.out_proj.weight, heads=True), attn.out_proj.bias, x,
-                               self.self_attn_layer_norm, residual)
-        attn = self.encoder_attn
-        h, residual, _ = self._block_input(x, self.encoder_attn_layer_norm)
-        enc_k, enc_v, enc_mask = cache.encoder(index)
-        N, B, H = x.shape[0], enc_k.shape[0], attn.num_heads
-        q = ops.linear(h, attn.q_proj.weight).view(B, N // B, H, -1).transpose(1, 2)
-        ctx = beam_attention(q, enc_k, enc_v, enc_mask, attn.q_proj.bias, attn.scaling)
-        out = ops.linear(ctx, attn.out_proj.weight, heads=True).reshape(N, 1, -1)
-        x = self._block_output(out, attn.out_proj.bias, x, self.encoder_attn_layer_norm, residual)
-        return self._ffn(x)
+        super().__init__(cfg.decoder_embed_dim, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim,
+                         **_options(cfg, "decoder", fp8))

@@ -23,8 +23,6 @@ from fairseq.models import (
     FairseqEncoder,
     FairseqEncoderDecoderModel,
     FairseqIncrementalDecoder,
-    register_model,
-    register_model_architecture,
 )
 
 from ls_fairseq import ops, packing
@@ -37,6 +35,16 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_POSITIONS = 1024
 FP8_GEMMS = ("qkv", "out", "q", "kv", "fc1", "fc2", "vocab")
+# --arch name -> the function that sets its defaults; ls_fairseq.fairseq_plugin registers each with fairseq
+ARCHITECTURES = {}
+
+
+def architecture(name):
+    def record(fn):
+        ARCHITECTURES[name] = fn
+        return fn
+
+    return record
 
 
 def fp8_recipe(args):
@@ -364,7 +372,6 @@ class LSTransformerDecoder(_EmbeddingMixin, FairseqIncrementalDecoder):
             x = ops.layer_norm(x, self.layer_norm.weight, self.layer_norm.bias)
         return self.output_layer(x)[:, 0]
 
-@register_model("ls_transformer")
 class LSTransformerModel(FairseqEncoderDecoderModel):
     """fairseq's Transformer on LightSeq2-style fused layers (see the module docstring)."""
 
@@ -442,7 +449,7 @@ class LSTransformerModel(FairseqEncoderDecoderModel):
         return per_token * ntokens
 
 
-@register_model_architecture("ls_transformer", "ls_transformer")
+@architecture("ls_transformer")
 def base_architecture(args):
     args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 512)
     args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 2048)
@@ -475,7 +482,7 @@ def base_architecture(args):
     args.ls_fp8_grad_format = getattr(args, "ls_fp8_grad_format", "e5m2")
 
 
-@register_model_architecture("ls_transformer", "ls_transformer_tiny")
+@architecture("ls_transformer_tiny")
 def ls_transformer_tiny(args):
     args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 64)
     args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 64)
@@ -486,7 +493,7 @@ def ls_transformer_tiny(args):
     base_architecture(args)
 
 
-@register_model_architecture("ls_transformer", "ls_transformer_iwslt_de_en")
+@architecture("ls_transformer_iwslt_de_en")
 def ls_transformer_iwslt_de_en(args):
     args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 512)
     args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
@@ -499,12 +506,12 @@ def ls_transformer_iwslt_de_en(args):
     base_architecture(args)
 
 
-@register_model_architecture("ls_transformer", "ls_transformer_wmt_en_de")
+@architecture("ls_transformer_wmt_en_de")
 def ls_transformer_wmt_en_de(args):
     base_architecture(args)
 
 
-@register_model_architecture("ls_transformer", "ls_transformer_vaswani_wmt_en_de_big")
+@architecture("ls_transformer_vaswani_wmt_en_de_big")
 def ls_transformer_vaswani_wmt_en_de_big(args):
     args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 1024)
     args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 4096)
@@ -517,19 +524,19 @@ def ls_transformer_vaswani_wmt_en_de_big(args):
     base_architecture(args)
 
 
-@register_model_architecture("ls_transformer", "ls_transformer_vaswani_wmt_en_fr_big")
+@architecture("ls_transformer_vaswani_wmt_en_fr_big")
 def ls_transformer_vaswani_wmt_en_fr_big(args):
     args.dropout = getattr(args, "dropout", 0.1)
     ls_transformer_vaswani_wmt_en_de_big(args)
 
 
-@register_model_architecture("ls_transformer", "ls_transformer_wmt_en_de_big")
+@architecture("ls_transformer_wmt_en_de_big")
 def ls_transformer_wmt_en_de_big(args):
     args.attention_dropout = getattr(args, "attention_dropout", 0.1)
     ls_transformer_vaswani_wmt_en_de_big(args)
 
 
-@register_model_architecture("ls_transformer", "ls_transformer_wmt_en_de_big_t2t")
+@architecture("ls_transformer_wmt_en_de_big_t2t")
 def ls_transformer_wmt_en_de_big_t2t(args):
     args.encoder_normalize_before = getattr(args, "encoder_normalize_before", True)
     args.decoder_normalize_before = getattr(args, "decoder_normalize_before", True)

@@ -1,1 +1,2 @@
-from ls_fairseq.optim import ls_adam  # noqa: F401 (registers the optimizer)
+"""Optimizers: ``WorkspaceAdam`` (a torch.optim.Optimizer, no fairseq needed) and its fairseq
+wrapper ``ls_adam`` (ls_fairseq.optim.ls_adam, registered by ls_fairseq.fairseq_plugin)."""

@@ -14,7 +14,7 @@ import torch
 from fairseq.trainer import Trainer
 from torch.profiler import ProfilerActivity, profile
 
-import ls_fairseq  # noqa: F401 (registers the plugin)
+import ls_fairseq.fairseq_plugin  # noqa: F401 (registers the plugin)
 
 RUNTIME_CALLS = ("cudaMemsetAsync", "cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaMemcpyAsync")
 # frames that say nothing about who made the call

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from fairseq.data import LanguagePairDataset
 
-import ls_fairseq  # noqa: F401
+import ls_fairseq.fairseq_plugin  # noqa: F401
 
 _COLLATER = LanguagePairDataset.collater
 

@@ -10,7 +10,7 @@ checkpoint allowlist (torch >= 2.6 reads the initial checkpoint weights-only).
 """
 from fairseq import utils
 
-import ls_fairseq  # noqa: F401
+import ls_fairseq.fairseq_plugin  # noqa: F401
 
 SEED_OFFSET = 10_000
 _set_torch_seed = utils.set_torch_seed

@@ -17,7 +17,7 @@ with other masks drift 2.7% apart: parity_hooks). Needs the CUDA extension.
 import torch
 from fairseq.modules.fairseq_dropout import FairseqDropout
 
-import ls_fairseq  # noqa: F401 (the checkpoint allowlist, the extension)
+import ls_fairseq.fairseq_plugin  # noqa: F401 (the checkpoint allowlist, the extension)
 from ls_fairseq.ops import dispatch
 
 

@@ -9,7 +9,7 @@ import os
 
 from fairseq.trainer import Trainer
 
-import ls_fairseq  # noqa: F401 (registers the plugin)
+import ls_fairseq.fairseq_plugin  # noqa: F401 (registers the plugin)
 from ls_fairseq.optim.mixed_precision import DeviceStepAdam
 
 

@@ -11,7 +11,7 @@ import time
 
 from fairseq.trainer import Trainer
 
-import ls_fairseq  # noqa: F401 (registers the plugin)
+import ls_fairseq.fairseq_plugin  # noqa: F401 (registers the plugin)
 
 _train_step = Trainer.train_step
 

@@ -46,7 +46,7 @@ import warnings
 import torch
 
 if os.environ.get("BENCH_WITH_LS") == "1":
-    import ls_fairseq  # noqa: F401 (registers the plugin)
+    import ls_fairseq.fairseq_plugin  # noqa: F401 (registers the plugin)
 
 from fairseq.tasks import FairseqTask  # noqa: E402
 from fairseq.trainer import Trainer  # noqa: E402
