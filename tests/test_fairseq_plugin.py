@@ -147,18 +147,24 @@ def test_only_install_changes_fairseq_and_torch_and_it_makes_the_listed_patches(
     assert out["trainer_is"] == "<class 'ls_fairseq.trainer.LSTrainer'>"
 
 
-def test_the_user_dir_installs_after_the_core_was_imported():
-    """fairseq imports a --user-dir only under a name not yet imported: the plugin's folder has its own."""
+def test_the_user_dir_installs_unless_the_core_came_first():
+    """fairseq imports a --user-dir only under a name not yet imported: --user-dir ls_fairseq installs the
+    plugin in a fresh process, nothing where ls_fairseq was imported before (documented: call install()),
+    and the plugin's own folder, a name of its own, installs either way."""
     script = textwrap.dedent("""
-        import argparse, json
-        import ls_fairseq, ls_fairseq.ops, ls_fairseq.models.ls_transformer  # the core (and the model) first
+        import argparse, json, os
         from fairseq import utils
         from fairseq.models import ARCH_MODEL_REGISTRY
-        before = "ls_transformer_tiny" in ARCH_MODEL_REGISTRY
+        first = %r
+        if first:
+            import ls_fairseq, ls_fairseq.ops, ls_fairseq.models.ls_transformer  # the core (and the model) first
         utils.import_user_module(argparse.Namespace(user_dir=%r))
-        print(json.dumps([before, "ls_transformer_tiny" in ARCH_MODEL_REGISTRY]))
-    """ % USER_DIR)
-    assert python(script) == [False, True]
+        after_user_dir = "ls_transformer_tiny" in ARCH_MODEL_REGISTRY
+        utils.import_user_module(argparse.Namespace(user_dir=os.path.join(%r, "fairseq_plugin")))
+        print(json.dumps([after_user_dir, "ls_transformer_tiny" in ARCH_MODEL_REGISTRY]))
+    """)
+    assert python(script % (False, USER_DIR, USER_DIR)) == [True, True]
+    assert python(script % (True, USER_DIR, USER_DIR)) == [False, True]
 
 
 @pytest.mark.slow

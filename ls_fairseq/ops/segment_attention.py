@@ -24,7 +24,7 @@ Two paths:
   output, so it is taken only without attention dropout, outside deterministic mode
   and where the exact row term is not asked for; the blocks path runs otherwise. It
   leaves the tail rows unwritten: they are set to zero here.
-``LS_FAIRSEQ_REFERENCE=segment_attention`` keeps the GPU on the blocks path.
+``LS_FAIRSEQ_REFERENCE=segment_attention`` keeps the GPU on the blocks path (SEGMENT_ATTENTION_ROUTE).
 """
 import inspect
 
@@ -77,11 +77,19 @@ def _varlen_attention(q, k, v, mask):
     return _as_heads(torch.where(mask.tail(rows.shape[0])[:, None, None], 0.0, rows))
 
 
+# the kernel side is torch's varlen FlashAttention (where varlen_fits), the reference side the blocks path
+SEGMENT_ATTENTION_ROUTE = dispatch.Route(
+    "segment_attention",
+    kernel=_varlen_attention if varlen_attn is not None else None,
+    reference=blocks_attention,
+)
+
+
 def varlen_fits(q, p, training, deterministic, exact_row_term):
-    """Whether the varlen (FlashAttention) path runs: CUDA, fp16/bf16, torch's varlen_attn present, the
-    op not forced onto its reference, and nothing asked that it cannot give (see the module docstring)."""
-    return (varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and not dispatch.forced_reference("segment_attention")
+    """Whether the varlen (FlashAttention) path runs: the route picks the kernel side (CUDA, the op not
+    forced onto its reference, torch's varlen_attn present), fp16/bf16, and nothing asked that it
+    cannot give (see the module docstring)."""
+    return (SEGMENT_ATTENTION_ROUTE.pick(q) is not blocks_attention and q.dtype in (torch.float16, torch.bfloat16)
             and (p == 0 or not training) and not deterministic and not exact_row_term)
 
 
