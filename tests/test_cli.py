@@ -194,21 +194,28 @@ def test_cuda_graphs_replay_the_eager_steps_bit_for_bit(data_bin, tmp_path, fp8)
     captured graphs (batches of 32 sentences padded to multiples of 32 tokens share a few shapes),
     end with the same bits in every parameter as 30 eager updates; with every GEMM's FP8 too (the
     scaling state is updated on the device, inside the graphs)."""
-    import sys
-
     gpu = ONE_GPU + fp8 + ["--fp16", "--ls-deterministic", "--attention-dropout", "0.1", "--disable-validation",
                            "--no-epoch-checkpoints", "--max-update", "30", "--max-tokens", "4096", "--batch-size",
                            "32", "--required-seq-len-multiple", "32"]
+    eager_and_graphed(data_bin, tmp_path, gpu)
+
+
+def eager_and_graphed(data_bin, tmp_path, options):
+    """Runs ls-fairseq-train with ``options`` eagerly and with --ls-cuda-graphs, asserts that the second
+    captured graphs and ended with the same bits in every parameter as the first; returns its log."""
+    import sys
+
     cmd = [sys.executable, "-m", "ls_fairseq.train", str(data_bin / "data-bin")]
     logs = {}
     for name, extra in (("eager", []), ("graphs", ["--ls-cuda-graphs"])):
-        proc = run(cmd + gpu + extra + ["--save-dir", str(tmp_path / name)])
+        proc = run(cmd + options + extra + ["--save-dir", str(tmp_path / name)])
         assert proc.returncode == 0, "{} run: {}".format(name, proc.stderr[-3000:])
         logs[name] = proc.stdout + proc.stderr
     assert "CUDA graph" not in logs["eager"] and "CUDA graph 1 captured" in logs["graphs"], logs["graphs"][-3000:]
     a, b = (torch.load(tmp_path / name / "checkpoint_last.pt", weights_only=True) for name in ("eager", "graphs"))
     differ = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
     assert not differ, "parameters differ between eager and replayed steps: {}".format(differ)
+    return logs["graphs"]
 
 
 def test_fp8_gemms_train_and_resume(data_bin, tmp_path):
