@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ls_fairseq.checkpoint import FAIRSEQ_CHECKPOINT_TYPES
+from ls_fairseq.checkpoint import fairseq_types_allowed
 from ls_fairseq.convert import save_atomic
 
 
@@ -35,7 +35,7 @@ def main(argv=None):
     parser.add_argument("output")
     parser.add_argument("inputs", nargs="+")
     args = parser.parse_args(argv)
-    with torch.serialization.safe_globals(list(FAIRSEQ_CHECKPOINT_TYPES)):  # the types fairseq checkpoints hold
+    with fairseq_types_allowed():
         averaged = average(args.inputs)
     save_atomic(averaged, args.output)
     print("averaged {} checkpoints into {}".format(len(args.inputs), args.output))

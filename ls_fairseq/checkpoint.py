@@ -58,6 +58,15 @@ logger = logging.getLogger(__name__)
 
 FAIRSEQ_CHECKPOINT_TYPES = (argparse.Namespace,)
 
+
+def fairseq_types_allowed():
+    """A context in which torch's weights_only loading allows FAIRSEQ_CHECKPOINT_TYPES: those not allowed
+    already are added and, at its end, taken away again. Only those: torch's ``safe_globals`` context
+    takes its types away at the end even when they were allowed before, which would undo the plugin's
+    ``install()`` for the rest of the process."""
+    allowed = torch.serialization.get_safe_globals()
+    return torch.serialization.safe_globals([t for t in FAIRSEQ_CHECKPOINT_TYPES if t not in allowed])
+
 FAULT_VARIABLE = "LS_FAIRSEQ_TEST_KILL_AT"
 FAULT_POINTS = (
     "save_written", "save_before_rename", "save_renamed",

@@ -26,7 +26,6 @@ checkpoint's folder, else from the data directory the checkpoint was trained on;
 the checkpoint recorded its dictionaries' fingerprints, those found must match them.
 """
 import argparse
-import contextlib
 import glob
 import logging
 import os
@@ -35,6 +34,8 @@ import sys
 import tempfile
 
 import torch
+
+from ls_fairseq.checkpoint import fairseq_types_allowed
 
 logger = logging.getLogger("ls_fairseq.convert")
 
@@ -224,18 +225,9 @@ def save_atomic(state, path):
 QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16", "float32")
 
 
-@contextlib.contextmanager
-def _fairseq_types_allowed():
-    """torch's weights_only loading with fairseq's checkpoint types allowed, within the block only."""
-    from ls_fairseq.checkpoint import FAIRSEQ_CHECKPOINT_TYPES
-
-    with torch.serialization.safe_globals(list(FAIRSEQ_CHECKPOINT_TYPES)):
-        yield
-
-
 def load_checkpoint(path):
     """A checkpoint file's dict, loaded with weights_only=True."""
-    with _fairseq_types_allowed():
+    with fairseq_types_allowed():
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
@@ -356,7 +348,7 @@ def to_ctranslate2(checkpoint, output_dir, data_dir=None, quantization=None, sou
         torch.save(state, stock)
         del state
         converter = FairseqConverter(model_path=stock, data_dir=folder)
-        with _fairseq_types_allowed():
+        with fairseq_types_allowed():
             return converter.convert(output_dir, quantization=quantization, force=force)
 
 
@@ -383,8 +375,6 @@ def main(argv=None):
     p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from ls_fairseq.checkpoint import FAIRSEQ_CHECKPOINT_TYPES
-
     if not os.path.isfile(args.input):
         parser.error("no such checkpoint: {}".format(args.input))
     try:

@@ -100,9 +100,14 @@ def print_help(argv, file=None):
 
 def parse_args(argv):
     """fairseq-train's parsed options for ``argv``, with bf16 kept off the TPU path. With ``-h`` or
-    ``--help`` in ``argv``: prints every option (``print_help``) and exits."""
+    ``--help`` in ``argv``: prints every option (``print_help``) and exits. Installs the plugin first:
+    the options name its registrations, and fairseq's import for ``--user-dir`` finds ls_fairseq
+    imported already (this module is in it) and imports nothing."""
     from fairseq import options
 
+    from ls_fairseq.fairseq_plugin import install
+
+    install()
     if "-h" in argv or "--help" in argv:
         print_help([a for a in argv if a not in ("-h", "--help")])
         sys.exit(0)
@@ -167,10 +172,7 @@ def cli_main():
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.distributed import utils as distributed_utils
 
-    from ls_fairseq.fairseq_plugin import install
-
     log_as_fairseq_train()
-    install()  # the registrations the options below name (fairseq's --user-dir import finds ls_fairseq taken)
     args = parse_args(with_user_dir(sys.argv[1:]))
     cfg = convert_namespace_to_omegaconf(args)
     if cfg.common.cpu:
