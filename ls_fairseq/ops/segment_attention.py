@@ -26,6 +26,7 @@ Two paths:
   leaves the tail rows unwritten: they are set to zero here.
 ``LS_FAIRSEQ_REFERENCE=segment_attention`` keeps the GPU on the blocks path (SEGMENT_ATTENTION_ROUTE).
 """
+import functools
 import inspect
 
 import torch
@@ -39,9 +40,11 @@ except ImportError:
     varlen_attn = None
 
 
-def _causal_arguments():
-    """varlen_attn's causal argument: ``window_size=(-1, 0)`` (torch >= 2.11) or ``is_causal=True`` (2.10)."""
-    parameters = inspect.signature(varlen_attn).parameters
+@functools.lru_cache(maxsize=None)
+def _causal_arguments(function):
+    """``function``'s (varlen_attn's) causal argument: ``window_size=(-1, 0)`` (torch >= 2.11) or
+    ``is_causal=True`` (2.10); read once, not at every attention call."""
+    parameters = inspect.signature(function).parameters
     return {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
 
 
@@ -70,7 +73,7 @@ def blocks_attention(q, k, v, mask, p, training, deterministic, exact_row_term):
 
 
 def _varlen_attention(q, k, v, mask):
-    causal = _causal_arguments() if mask.causal else {}
+    causal = _causal_arguments(varlen_attn) if mask.causal else {}
     rows = varlen_attn(_rows(q).contiguous(), _rows(k).contiguous(), _rows(v).contiguous(), mask.q_offsets,
                        mask.k_offsets, mask.max_q, mask.max_k, scale=1.0, **causal)
     # FlashAttention leaves the tail unwritten: whatever the memory held there must not reach a gradient
