@@ -1,7 +1,7 @@
 """BERT-base training steps on one GPU: Hugging Face's own layers against ls_fairseq.hf's fused layers,
 each eager and under torch.compile, in fp16 and bf16, at sequence lengths 128 and 512, in one run.
 
-    python scripts/bench_hf_bert.py [--batch-tokens 16384] [--steps 20] [--json out.json]
+    python scripts/bench_hf_bert.py [--batch-tokens 16384] [--steps 20] [--dtypes bf16] [--json out.json]
 
 A step is forward, backward and AdamW on BertForSequenceClassification (random init, the
 bert-base-uncased shape, dropout 0.1, one sentence in eight padded to half length); the figure is
@@ -64,14 +64,20 @@ def main():
     parser.add_argument("--batch-tokens", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--dtypes", default="fp16,bf16", help="comma-separated, from fp16 and bf16")
+    parser.add_argument("--seqs", default="128,512", help="sequence lengths, comma-separated")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_hf_bert: needs a CUDA GPU")
     results = []
     print("| layers | compiled | dtype | seq | batch | step ms | tokens/s | peak GiB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for dtype in (torch.float16, torch.bfloat16):
-        for seq in (128, 512):
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    for name in args.dtypes.split(","):
+        if name not in dtypes:
+            parser.error("--dtypes: {!r} is not one of fp16, bf16".format(name))
+    for dtype in [dtypes[name] for name in args.dtypes.split(",")]:
+        for seq in [int(s) for s in args.seqs.split(",")]:
             for layers in ("hf-eager", "hf-sdpa", "ls"):
                 for compiled in (False, True):
                     row = {"layers": layers, "compiled": compiled, "dtype": str(dtype).split(".")[1], "seq": seq}
