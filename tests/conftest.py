@@ -92,6 +92,15 @@ def bin_path(name):
     return beside if os.path.exists(beside) else shutil.which(name) or beside
 
 
+def to_stock(checkpoint, folder):
+    """checkpoint converted to stock fairseq's transformer by ``python -m ls_fairseq.convert to-fairseq``,
+    written as folder/stock.pt."""
+    path = folder / "stock.pt"
+    proc = run([bin_path("python"), "-m", "ls_fairseq.convert", "to-fairseq", str(checkpoint), str(path)])
+    assert proc.returncode == 0, proc.stderr
+    return path
+
+
 @pytest.fixture(scope="session")
 def data_bin(tmp_path_factory):
     """A small binarized en-de data set made by the recipe's offline prepare step

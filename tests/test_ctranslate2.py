@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, USER_DIR, bin_path, run
+from conftest import REPO, USER_DIR, bin_path, run, to_stock
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 sacrebleu = pytest.importorskip("sacrebleu")
@@ -59,10 +59,7 @@ def ls_checkpoint(corpus, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stock_checkpoint(ls_checkpoint, tmp_path_factory):
-    path = tmp_path_factory.mktemp("deploy_stock") / "stock.pt"
-    proc = run([bin_path("python"), "-m", "ls_fairseq.convert", "to-fairseq", str(ls_checkpoint), str(path)])
-    assert proc.returncode == 0, proc.stderr
-    return path
+    return to_stock(ls_checkpoint, tmp_path_factory.mktemp("deploy_stock"))
 
 
 def fairseq_generate(corpus, checkpoint, beam, plugin):

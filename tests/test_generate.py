@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from conftest import REPO, USER_DIR, bin_path, run
+from conftest import REPO, USER_DIR, bin_path, run, to_stock
 from fairseq import checkpoint_utils
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 from fairseq.search import BeamSearch
@@ -684,10 +684,7 @@ def assert_same_output(ls, stock):
 
 @pytest.fixture(scope="session")
 def stock_checkpoint(trained, tmp_path_factory):
-    path = tmp_path_factory.mktemp("generate_stock") / "stock.pt"
-    proc = run([bin_path("python"), "-m", "ls_fairseq.convert", "to-fairseq", str(trained), str(path)])
-    assert proc.returncode == 0, proc.stderr
-    return path
+    return to_stock(trained, tmp_path_factory.mktemp("generate_stock"))
 
 
 @pytest.mark.slow
