@@ -160,8 +160,12 @@ class DecoderLayer(_Layer):
     encoder output once for all layers (LightSeq2: ls_transformer's decoder.encoder_attn_kv_proj);
     ``cross_attention=False`` makes a decoder-only layer (then ``forward(x, self_mask)``)."""
 
-    def __init__(self, embed_dim, num_heads, ffn_dim, cross_attention=True, **kwargs):
+    def __init__(self, embed_dim, num_heads, ffn_dim, cross_attention=True, exact_cross_attention=True, **kwargs):
+        """``exact_cross_attention``: the cross-attention's backward forms the softmax's row term from the fp32
+        probabilities (never SDPA/FlashAttention, whose row term comes from the 16-bit output), as stock fairseq
+        computes cross-attention; False lets it take FlashAttention like self-attention."""
         super().__init__(embed_dim, num_heads, ffn_dim, gemms=dict(_LAYER_GEMMS, q="q", cross_out="out"), **kwargs)
+        self.exact_cross_attention = exact_cross_attention
         self.encoder_attn = CrossAttention(embed_dim, num_heads) if cross_attention else None
         self.encoder_attn_layer_norm = nn.LayerNorm(embed_dim, eps=self.layer_norm_eps) if cross_attention else None
 
@@ -177,7 +181,7 @@ class DecoderLayer(_Layer):
         (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight, residual_grad=gemm_residual, fp8=self._fp8("q")),
                                attn.q_proj.bias, attn.num_heads, 1, attn.scaling)
         ctx = ops.attention(q, enc_k, enc_v, enc_mask, self.attention_dropout, self.training, self.deterministic,
-                            exact_row_term=True)
+                            exact_row_term=self.exact_cross_attention)
         out = ops.linear(ctx, attn.out_proj.weight, heads=True, fp8=self._fp8("cross_out"))
         x = self._block_output(out, attn.out_proj.bias, x, self.encoder_attn_layer_norm, residual)
         return self._ffn(x)

@@ -147,7 +147,8 @@ def test_what_the_fused_layer_does_not_implement_is_named():
 def test_gpu_ls_layers_against_hfs_own_by_the_2x_rule(dtype):
     """In fp16/bf16 the ls BERT's error against an fp64 run of the same model is at most twice HF's own
     (outputs and gradients), with the kernels."""
-    config = tiny_config("sdpa", hidden_size=256, num_attention_heads=4, intermediate_size=1024, num_hidden_layers=4)
+    config = tiny_config("sdpa", hidden_size=256, num_attention_heads=4, intermediate_size=1024, num_hidden_layers=4,
+                         max_position_embeddings=128)
     base = BertModel(config, add_pooling_layer=False).cuda().eval()
     oracle = copy.deepcopy(base).double()
     hf = copy.deepcopy(base).to(dtype)

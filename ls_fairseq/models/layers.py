@@ -9,6 +9,10 @@ def _options(cfg, side, fp8):
                 activation_dropout=cfg.activation_dropout, deterministic=cfg.ls_deterministic, fp8=fp8)
 
 
+def _decoder_options(cfg, fp8):
+    return dict(_options(cfg, "decoder", fp8), exact_cross_attention=not getattr(cfg, "ls_flash_cross_attention", False))
+
+
 class EncoderLayer(layers.EncoderLayer):
     def __init__(self, cfg, fp8=None):
         super().__init__(cfg.encoder_embed_dim, cfg.encoder_attention_heads, cfg.encoder_ffn_embed_dim,
@@ -18,4 +22,4 @@ class EncoderLayer(layers.EncoderLayer):
 class DecoderLayer(layers.DecoderLayer):
     def __init__(self, cfg, fp8=None):
         super().__init__(cfg.decoder_embed_dim, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim,
-                         **_options(cfg, "decoder", fp8))
+                         **_decoder_options(cfg, fp8))

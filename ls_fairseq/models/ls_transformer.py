@@ -110,6 +110,15 @@ class LSTransformerConfig(FairseqDataclass):
             "fused masked softmax, as LightSeq2 does, instead of FlashAttention, whose backward adds with atomics"
         },
     )
+    ls_flash_cross_attention: bool = field(
+        default=False,
+        metadata={
+            "help": "cross-attention in training through FlashAttention (SDPA; with --ls-packed torch's varlen "
+            "kernel) like self-attention, its softmax row term formed from the 16-bit output; by default it keeps "
+            "the fp32 row term, as stock fairseq's explicit fp32 probabilities do, and with --ls-packed that takes "
+            "the slower blocks path. Experimental: its speed and convergence are not yet measured"
+        },
+    )
     ls_cuda_graphs: bool = field(
         default=False,
         metadata={
@@ -474,6 +483,7 @@ def base_architecture(args):
     args.max_target_positions = getattr(args, "max_target_positions", None) or DEFAULT_MAX_POSITIONS
     args.ls_deterministic = getattr(args, "ls_deterministic", False)
     args.ls_cuda_graphs = getattr(args, "ls_cuda_graphs", False)
+    args.ls_flash_cross_attention = getattr(args, "ls_flash_cross_attention", False)
     args.ls_packed = getattr(args, "ls_packed", False)
     args.ls_fp8 = getattr(args, "ls_fp8", False)
     args.ls_fp8_forward = getattr(args, "ls_fp8_forward", "qkv,kv,vocab")

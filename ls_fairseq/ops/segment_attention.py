@@ -23,7 +23,8 @@ Two paths:
   its backward adds with atomics and forms the softmax's row term from the 16-bit
   output, so it is taken only without attention dropout, outside deterministic mode
   and where the exact row term is not asked for; the blocks path runs otherwise. It
-  leaves the tail rows unwritten: they are set to zero here.
+  leaves the tail rows of its output and of its gradients unwritten: they are set to
+  zero here.
 ``LS_FAIRSEQ_REFERENCE=segment_attention`` keeps the GPU on the blocks path (SEGMENT_ATTENTION_ROUTE).
 """
 import functools
@@ -72,12 +73,36 @@ def blocks_attention(q, k, v, mask, p, training, deterministic, exact_row_term):
     return _as_heads(torch.where(mask.tail(rows.shape[0])[:, None, None], 0.0, rows))
 
 
+class _TailGradZeroed(torch.autograd.Function):
+    """The rows [N, heads, d_head] as they are; backward zeroes the gradient's rows at ``tail`` (bool [N]).
+    FlashAttention's varlen backward makes dq, dk and dv with torch.empty and writes only the rows inside
+    the offsets, so their tail rows hold whatever the memory held."""
+
+    @staticmethod
+    def forward(ctx, rows, tail):
+        ctx.save_for_backward(tail)
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (tail,) = ctx.saved_tensors
+        return torch.where(tail[:, None, None], 0.0, grad), None
+
+
+def _past(offsets, rows):
+    """Which of a stream's ``rows`` rows lie past its last offset, bool [rows]."""
+    return torch.arange(rows, device=offsets.device) >= offsets[-1]
+
+
 def _varlen_attention(q, k, v, mask):
     causal = _causal_arguments(varlen_attn) if mask.causal else {}
-    rows = varlen_attn(_rows(q).contiguous(), _rows(k).contiguous(), _rows(v).contiguous(), mask.q_offsets,
-                       mask.k_offsets, mask.max_q, mask.max_k, scale=1.0, **causal)
+    q_tail, k_tail = _past(mask.q_offsets, q.shape[2]), _past(mask.k_offsets, k.shape[2])
+    q_rows, k_rows, v_rows = (dispatch.run(_TailGradZeroed, _rows(x), tail).contiguous()
+                              for x, tail in ((q, q_tail), (k, k_tail), (v, k_tail)))
+    rows = varlen_attn(q_rows, k_rows, v_rows, mask.q_offsets, mask.k_offsets, mask.max_q, mask.max_k, scale=1.0,
+                       **causal)
     # FlashAttention leaves the tail unwritten: whatever the memory held there must not reach a gradient
-    return _as_heads(torch.where(mask.tail(rows.shape[0])[:, None, None], 0.0, rows))
+    return _as_heads(torch.where(q_tail[:, None, None], 0.0, rows))
 
 
 # the kernel side is torch's varlen FlashAttention (where varlen_fits), the reference side the blocks path
@@ -111,9 +136,11 @@ def segment_attention(q, k, v, mask, p=0.0, training=True, deterministic=False, 
 
 def segment_attention_reference(q, k, v, mask, p=0.0, training=True, dropout_mask=None):
     """The tests' oracle, independent of both paths: attention over the whole streams with a dense
-    block-diagonal mask (a query sees the keys of its own segment; ``causal``: up to its place), in
-    the inputs' precision upcast as the references do (fp64 stays fp64); a row that sees no key
-    (the tail, an empty segment) gives zeros. ``dropout_mask``: a keep-mask [1, heads, Nq, Nk]."""
+    block-diagonal mask (a query sees the keys of its own segment; ``causal``: up to its place), computed
+    in the inputs' dtype as PyTorch computes attention in it (fp16/bf16: each GEMM's and the softmax's
+    result rounded to it, as ops.attention's reference does), so that in fp64 it is the exact oracle
+    and in fp16/bf16 PyTorch's own error for the 2x rule; a row that sees no key (the tail, an empty
+    segment) gives zeros. ``dropout_mask``: a keep-mask [1, heads, Nq, Nk]."""
     def segment_and_place(offsets, rows):
         r = torch.arange(rows, device=offsets.device)
         segment = torch.searchsorted(offsets[1:].long(), r, right=True)
@@ -126,8 +153,8 @@ def segment_attention_reference(q, k, v, mask, p=0.0, training=True, dropout_mas
     seen = (sq[:, None] == sk[None, :]) & iq[:, None] & ik[None, :]
     if mask.causal:
         seen &= pk[None, :] <= pq[:, None]
-    scores = torch.matmul(dispatch.upcast(q), dispatch.upcast(k).transpose(-1, -2)).masked_fill(~seen, float("-inf"))
+    scores = torch.matmul(q, k.transpose(-1, -2)).masked_fill(~seen, float("-inf"))
     probs = torch.softmax(scores, -1).nan_to_num(0.0)
     if p > 0 and training:
         probs = dispatch.apply_dropout(probs, dropout_mask, p)
-    return torch.matmul(probs, dispatch.upcast(v)).to(q.dtype)
+    return torch.matmul(probs, v)

@@ -73,6 +73,11 @@ SYSTEMS = {
     "ls-bf16-packed": LS + (["--bf16", "--ls-packed"], "ls_fairseq.train"),
     "ls-fp16-packed-graphs": LS + (["--fp16", "--ls-packed", "--ls-cuda-graphs"], "ls_fairseq.train"),
     "ls-bf16-packed-graphs": LS + (["--bf16", "--ls-packed", "--ls-cuda-graphs"], "ls_fairseq.train"),
+    # cross-attention through FlashAttention as well (--ls-flash-cross-attention): padded and packed
+    "ls-bf16-fcross-graphs": LS + (["--bf16", "--ls-flash-cross-attention", "--ls-cuda-graphs",
+                                    "--required-seq-len-multiple", "8"], "ls_fairseq.train"),
+    "ls-bf16-packed-fcross-graphs": LS + (["--bf16", "--ls-packed", "--ls-flash-cross-attention", "--ls-cuda-graphs"],
+                                          "ls_fairseq.train"),
     "ls-bf16-fp8-packed": LS + (["--bf16", "--ls-fp8", "--ls-packed"], "ls_fairseq.train"),
     "ls-bf16-fp8-packed-graphs": LS + (["--bf16", "--ls-fp8", "--ls-packed", "--ls-cuda-graphs"], "ls_fairseq.train"),
     "ls-bf16": LS + (["--memory-efficient-bf16"], "ls_fairseq.train"),
