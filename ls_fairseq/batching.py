@@ -64,16 +64,17 @@ def padded_length_datasets(task_dataset, multiple):
 class PackedDataset(BaseWrapperDataset):
     """A translation ``dataset`` whose batches are collated as fairseq's collater does and then packed
     (ls_fairseq.packing.pack_sample). Batching is the dataset's own: the same sentences per batch.
-    ``fixed_shapes`` (CUDA graphs): from the batches that batch_by_size made, a Buckets fixes the
-    streams' capacities, segment counts and longest sentences."""
+    From the batches that batch_by_size made, a Buckets fixes the streams' capacities, segment counts
+    and longest sentences: the shapes repeat (CUDA graphs), and an eager run packs exactly as a graphed
+    one, so both draw the same dropout over the same shapes and end with the same bits."""
 
-    def __init__(self, dataset, pad, fixed_shapes=False):
+    def __init__(self, dataset, pad):
         super().__init__(dataset)
-        self.pad, self.fixed_shapes, self.buckets = pad, fixed_shapes, None
+        self.pad, self.buckets = pad, None
 
     def batch_by_size(self, indices, max_tokens=None, max_sentences=None, required_batch_size_multiple=1):
         batches = self.dataset.batch_by_size(indices, max_tokens, max_sentences, required_batch_size_multiple)
-        if self.fixed_shapes and getattr(self.dataset, "tgt_sizes", None) is not None:
+        if getattr(self.dataset, "tgt_sizes", None) is not None:
             src, tgt = self.dataset.src_sizes, self.dataset.tgt_sizes
             self.buckets = packing.Buckets([(src[b], tgt[b]) for b in batches if len(b)])
             logger.info("--ls-packed: source capacities %s, target capacities %s, %d shapes", self.buckets.src,
@@ -102,14 +103,13 @@ def pack_training_batches(trainer):
     task, split = trainer.task, cfg.dataset.train_subset
     task_dataset = task.dataset
     wrapped = weakref.WeakKeyDictionary()
-    graphs = bool(getattr(cfg.model, "ls_cuda_graphs", False))
 
     def dataset(name):
         inner = task_dataset(name)
         if name != split:
             return inner
         if inner not in wrapped:
-            wrapped[inner] = PackedDataset(inner, task.target_dictionary.pad(), fixed_shapes=graphs)
+            wrapped[inner] = PackedDataset(inner, task.target_dictionary.pad())
         return wrapped[inner]
 
     task.dataset = dataset
