@@ -16,7 +16,7 @@ rule, kept on every device), as does every GEMM of the recipe's calibrating firs
 import torch
 import torch.nn.functional as F
 
-from ls_fairseq.ops import workspace
+from ls_fairseq.ops import dispatch, workspace
 from ls_fairseq.ops.fp8_cast import fp8_cast, fp8_fits, fp8_mm
 from ls_fairseq.ops.qkv import merge_heads
 
@@ -125,6 +125,10 @@ def linear(x, weight, heads=False, residual_grad=None, fp8=None):
     if heads and residual_grad is not None:
         raise ValueError("linear: a residual gradient goes with an input of [..., in], not with heads")
     fp8 = fp8 if fp8 is not None and fp8.active else None
+    if dispatch.compiling():  # torch's GEMM, its gradients autograd's (no hand-off, no in-place weight gradient)
+        if fp8 is not None:
+            raise NotImplementedError("linear: --ls-fp8 / fp8 GEMMs are not supported under torch.compile")
+        return F.linear(merge_heads(x) if heads else x, weight)
     if torch.is_grad_enabled() and weight.requires_grad:
         return LinearFunction.apply(x, weight, heads, residual_grad, fp8)
     return _forward(x, weight, heads, fp8)[0]
