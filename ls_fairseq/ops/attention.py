@@ -277,6 +277,10 @@ def _fused_kernel_fits(q, k, v):
             and 1 <= q.shape[-2] <= _C.attention_max_len and 1 <= k.shape[-2] <= _C.attention_max_len)
 
 
+_refuse_segments = dispatch.refusal("attention: segment_attention (a SegmentMask: the packed training step) is not "
+                                    "supported under torch.compile")
+
+
 def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exact_row_term=False):
     """softmax(q k^T + masks) v with dropout ``p`` on the probabilities; ``mask`` an AttentionMask, or a
     SegmentMask for packed streams (ops.segment_attention);
@@ -293,8 +297,7 @@ def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exa
         from ls_fairseq.ops.segment_attention import segment_attention  # the packed step's op (imports this module)
 
         if dispatch.compiling():
-            raise NotImplementedError("attention: segment_attention (a SegmentMask: the packed training step) is not "
-                                      "supported under torch.compile")
+            _refuse_segments()
         return segment_attention(q, k, v, mask, p, training, deterministic, exact_row_term)
     p = p if training else 0.0
     if dispatch.compiling():
@@ -334,6 +337,7 @@ def _token_major(t):
 
 def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
                        causal: bool, p: float, mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    key_padding_mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     if _fused(q, k, v, mask):
         out, lse, _ = _C.attention_forward(q, k, v, key_padding_mask, causal, 0.0)
         return out, lse
@@ -351,6 +355,7 @@ def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                         key_padding_mask: Optional[torch.Tensor], causal: bool, p: float,
                         mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    key_padding_mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     if _fused(q, k, v, mask):
         return _C.attention_backward(dout, q, k, v, lse, key_padding_mask, causal, None, 0.0)
     fwd, bwd = SOFTMAX_ROUTE.pick(q)

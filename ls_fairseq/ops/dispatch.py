@@ -235,6 +235,17 @@ compiling = torch.compiler.is_compiling
 LIBRARY = "ls_fairseq"
 
 
+def refusal(message):
+    """A function that raises NotImplementedError(message), for what torch.compile does not support. Dynamo
+    leaves its call to eager (torch.compiler.disable), so that a compile without fullgraph stops with the
+    error too (an exception raised while dynamo traces would have it run the frame eagerly instead, the
+    unsupported path included); under fullgraph dynamo refuses the call and names ``message`` as the reason."""
+    def refuse():
+        raise NotImplementedError(message)
+
+    return torch.compiler.disable(refuse, reason=message)
+
+
 def custom_op(name, impl, fake, backward=None, setup_context=None):
     """``impl`` (annotated with its schema's types) registered as the custom op ``ls_fairseq::name``
     that torch.compile calls as one opaque node: ``fake`` gives its outputs' shapes, dtypes and

@@ -110,6 +110,7 @@ def softmax(scores, key_padding_mask=None, causal=False, p=0.0, training=True, m
 def _forward(scores: torch.Tensor, key_padding_mask: Optional[torch.Tensor], causal: bool, p: float,
              mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     fwd, _ = SOFTMAX_ROUTE.pick(scores)
+    key_padding_mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     out, lse, _ = fwd(scores.contiguous(), key_padding_mask, causal, p, mask)
     return out, lse
 
@@ -128,6 +129,7 @@ def _backward_op(dout: torch.Tensor, scores: torch.Tensor, lse: torch.Tensor, ke
                  causal: bool, mask: Optional[torch.Tensor], p: float) -> torch.Tensor:
     kernel = dispatch.use_kernel("softmax", scores)
     _, bwd = SOFTMAX_ROUTE.pick(scores)
+    key_padding_mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     return bwd(dout.contiguous(), scores.contiguous(), lse, key_padding_mask, causal,
                dispatch.given_dropout(kernel, mask, p), p)
 
