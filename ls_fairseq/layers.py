@@ -18,7 +18,8 @@ and add the bias and scale the query themselves.
 
 In backward the residual's gradient is not added by autograd: the block's end hands it to
 the block's first op on x (post-LN: the first GEMM, which accumulates into it; pre-LN: the
-LayerNorm), see ops.residual.
+LayerNorm), see ops.residual. Under torch.compile there is no hand-off: autograd adds the residual's
+gradient inside the graph, where the compiler can fuse the add.
 """
 import math
 

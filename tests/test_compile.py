@@ -219,6 +219,29 @@ def test_hf_bert_with_ls_layers_compiles_whole_in_eval():
         assert_within(got, want, 1e-5, "grad {}".format(grad))
 
 
+def test_hf_bert_training_step_compiled_matches_eager_without_dropout():
+    pytest.importorskip("transformers")
+    from test_hf import batch, tiny_config
+    from transformers import BertForSequenceClassification
+
+    from ls_fairseq.hf import replace_bert_layers
+
+    model = replace_bert_layers(BertForSequenceClassification(tiny_config())).train()
+    ids, mask = batch()
+    labels = torch.tensor([0, 1, 2, 1])
+    eager = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    eager.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    loss = torch.compile(model, fullgraph=True)(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    assert_within(loss, eager, 1e-5, "loss")
+    assert want.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    for name, p in model.named_parameters():
+        if name in want:
+            assert_within(p.grad, want[name], 1e-5, name)
+
+
 # ---- (d) training: forward and backward compiled against eager, graph breaks counted ----
 
 
