@@ -185,6 +185,22 @@ def test_encoder_layer_compiles_whole_in_eval(normalize_before, activation):
     _compare_eval(layer, lambda: (x, ops.AttentionMask(kpm)))
 
 
+def test_encoder_layer_compiles_once_for_several_shapes_with_dynamic_shapes():
+    """dynamic=True: the fake implementations take symbolic sizes; three batch shapes, no recompile."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    layer = EncoderLayer(16, 4, 32).eval()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
+    compiles = []
+    with torch.no_grad():
+        for B, T in ((2, 5), (3, 7), (4, 4)):
+            x, kpm = _encoder_input(B, T)
+            assert_within(compiled(x, ops.AttentionMask(kpm)), layer(x, ops.AttentionMask(kpm)), 1e-5, (B, T))
+            compiles.append(counter.frame_count)
+    assert compiles[0] == compiles[-1], compiles  # no recompile after the first shape
+
+
 def test_decoder_layer_with_cross_attention_compiles_whole_in_eval():
     layer = DecoderLayer(16, 4, 32, activation_fn="gelu")
     x, _ = _encoder_input(T=4)
@@ -407,6 +423,25 @@ def test_gpu_compiled_hf_bert_matches_eager_by_the_2x_rule(dtype):
     err_ls = (got.double() - want).abs().max().item()
     assert err_ls <= 2 * err_hf + 1e-6, (err_ls, err_hf)
     assert_within(got, eager, 1e-2, "compiled against eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_compiled_dropout_kernels_apply_one_mask_in_both_directions(dtype):
+    """The graph's keep-mask goes to the forward kernel as its given mask and to the backward kernel
+    through _C.dropout_from_mask: an element's gradient is zero exactly where its output was dropped."""
+    from helpers import kernel
+
+    x = torch.ones(64, 1024, device="cuda", dtype=dtype, requires_grad=True)
+    bias = torch.zeros(1024, device="cuda", dtype=dtype)
+    kernel("bias_dropout_residual", x)
+    for name, step in (("bias_dropout_residual", lambda x: ops.bias_dropout_residual(x, bias, torch.zeros_like(x), 0.3)),
+                       ("bias_act_dropout gelu", lambda x: ops.bias_act_dropout(x, bias, "gelu", 0.3))):
+        out = torch.compile(step, fullgraph=True)(x)
+        dropped = out.eq(0)
+        assert abs(dropped.float().mean().item() - 0.3) < 0.02, name
+        (dx,) = torch.autograd.grad(out.float().sum(), x)
+        assert torch.equal(dx.eq(0), dropped), name
 
 
 @pytest.mark.gpu

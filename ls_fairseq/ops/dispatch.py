@@ -243,7 +243,10 @@ def refusal(message):
     def refuse():
         raise NotImplementedError(message)
 
-    return torch.compiler.disable(refuse, reason=message)
+    try:
+        return torch.compiler.disable(refuse, reason=message)
+    except TypeError:  # an older torch, whose disable takes no reason
+        return torch.compiler.disable(refuse)
 
 
 def custom_op(name, impl, fake, backward=None, setup_context=None):
