@@ -339,7 +339,7 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_pa
                        causal: bool, p: float, mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     key_padding_mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     if _fused(q, k, v, mask):
-        out, lse, _ = _C.attention_forward(q, k, v, key_padding_mask, causal, 0.0)
+        out, lse, _ = ATTENTION_ROUTE.kernel[0](q, k, v, key_padding_mask, causal, 0.0)
         return out, lse
     fwd, _ = SOFTMAX_ROUTE.pick(q)
     probs, lse, _ = fwd(torch.matmul(q, k.transpose(-1, -2)), key_padding_mask, causal, p, mask)
@@ -357,7 +357,7 @@ def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     key_padding_mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     if _fused(q, k, v, mask):
-        return _C.attention_backward(dout, q, k, v, lse, key_padding_mask, causal, None, 0.0)
+        return ATTENTION_ROUTE.kernel[1](dout, q, k, v, lse, key_padding_mask, causal, None, 0.0)
     fwd, bwd = SOFTMAX_ROUTE.pick(q)
     scores = torch.matmul(q, k.transpose(-1, -2))
     dropped, _, _ = fwd(scores, key_padding_mask, causal, p, mask)
