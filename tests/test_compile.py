@@ -209,14 +209,16 @@ def test_embedding_compiles_whole_in_eval(learned):
     _compare_eval(layer, lambda: (tokens,))
 
 
-def test_hf_bert_with_ls_layers_compiles_whole_in_eval():
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_hf_bert_with_ls_layers_compiles_whole_in_eval(attn):
+    """Hugging Face's masks of either kind reduce to a key padding mask inside the graph."""
     pytest.importorskip("transformers")
     from test_hf import batch, tiny_config
     from transformers import BertModel
 
     from ls_fairseq.hf import replace_bert_layers
 
-    model = replace_bert_layers(BertModel(tiny_config())).eval()
+    model = replace_bert_layers(BertModel(tiny_config(attn))).eval()
     ids, mask = batch()
     compiled = torch.compile(model, fullgraph=True)
     for grad in (False, True):
