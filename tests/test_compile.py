@@ -53,7 +53,8 @@ def _opcheck_cases():
     mean, rstd = op("layer_norm", "forward")(x.detach(), w.detach(), b.detach(), 1e-5)[1:]
     m = keep((B, T, d))
     yield "layer_norm_forward", op("layer_norm", "forward"), (x, w, b, 1e-5)
-    yield "layer_norm_backward", op("layer_norm", "backward"), (torch.randn(B, T, d), x.detach(), w.detach(), mean, rstd)
+    yield "layer_norm_backward", op("layer_norm", "backward"), (torch.randn(B, T, d), x.detach(), w.detach(), mean,
+                                                                 rstd)
     for p, mask in ((0.0, None), (0.25, m)):
         yield "bias_dropout_residual_forward p={}".format(p), op("bias_dropout_residual", "forward"), (
             leaf(B, T, d), leaf(d), leaf(B, T, d), p, mask)
@@ -130,12 +131,23 @@ def test_every_custom_op_passes_opcheck():
     assert registered == checked, registered ^ checked
 
 
+def test_a_forward_custom_op_with_dropout_needs_its_keep_mask():
+    """Else its backward, which applies the given mask, would apply none."""
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="bias_dropout_residual_forward: dropout p = 0.1 needs its keep-mask"):
+        op("bias_dropout_residual", "forward")(x, torch.zeros(8), x, 0.1, None)
+    with pytest.raises(ValueError, match="attention_forward: dropout p = 0.1 needs its keep-mask"):
+        q = torch.randn(1, 2, 3, 4)
+        op("attention", "forward")(q, q, q, None, False, 0.1, None)
+
+
 # ---- (e) eager calls stay on dispatch.run ----
 
 
 def test_eager_calls_never_reach_the_custom_ops(monkeypatch):
     """With every custom op replaced by one that raises, eager forwards and backwards of the layers, the
-    embedding and the loss (TinyModel: every op of the compile path) run as before: the custom ops are torch.compile's path alone."""
+    embedding and the loss (TinyModel: every op of the compile path) run as before: the custom ops are
+    torch.compile's path alone."""
     def refuse(*args, **kwargs):
         raise AssertionError("an eager call reached a custom op")
 
@@ -392,6 +404,25 @@ def test_gpu_compiled_encoder_layer_runs_the_kernels_and_matches_eager(dtype, mo
 
 
 @pytest.mark.gpu
+def test_gpu_compiled_graph_routes_each_call_at_run_time(monkeypatch):
+    """The custom ops pick kernel or reference on each call (LS_FAIRSEQ_REFERENCE too): the same compiled
+    graph runs the references once the variable forces them."""
+    calls = _use_kernels(monkeypatch)
+    layer = EncoderLayer(256, 4, 1024).cuda().half().eval()
+    x = torch.randn(4, 40, 256, device="cuda", dtype=torch.float16)
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.no_grad():
+        want = compiled(x, None)
+        counted = sum(calls.values())
+        assert counted > 0
+        monkeypatch.setenv("LS_FAIRSEQ_REFERENCE", "all")
+        assert dispatch.forced_reference("layer_norm")
+        got = compiled(x, None)
+    assert sum(calls.values()) == counted
+    assert_within(got, want, 1e-2, "references against kernels")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_compiled_hf_bert_matches_eager_by_the_2x_rule(dtype):
     """The compiled ls BERT's error against an fp64 run is at most twice eager HF's own, as the eager ls
@@ -429,8 +460,9 @@ def test_gpu_compiled_dropout_kernels_apply_one_mask_in_both_directions(dtype):
     x = torch.ones(64, 1024, device="cuda", dtype=dtype, requires_grad=True)
     bias = torch.zeros(1024, device="cuda", dtype=dtype)
     kernel("bias_dropout_residual", x)
-    for name, step in (("bias_dropout_residual", lambda x: ops.bias_dropout_residual(x, bias, torch.zeros_like(x), 0.3)),
-                       ("bias_act_dropout gelu", lambda x: ops.bias_act_dropout(x, bias, "gelu", 0.3))):
+    steps = (("bias_dropout_residual", lambda x: ops.bias_dropout_residual(x, bias, torch.zeros_like(x), 0.3)),
+             ("bias_act_dropout gelu", lambda x: ops.bias_act_dropout(x, bias, "gelu", 0.3)))
+    for name, step in steps:
         out = torch.compile(step, fullgraph=True)(x)
         dropped = out.eq(0)
         assert abs(dropped.float().mean().item() - 0.3) < 0.02, name

@@ -337,6 +337,7 @@ def _token_major(t):
 
 def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
                        causal: bool, p: float, mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    dispatch.check_given_mask("attention", p, mask)
     key_padding_mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     if _fused(q, k, v, mask):
         out, lse, _ = ATTENTION_ROUTE.kernel[0](q, k, v, key_padding_mask, causal, 0.0)

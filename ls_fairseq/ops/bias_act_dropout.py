@@ -113,6 +113,7 @@ def bias_act_dropout(x, bias, activation="relu", p=0.0, training=True, mask=None
 
 def _forward(x: torch.Tensor, bias: torch.Tensor, activation: str, p: float,
              mask: Optional[torch.Tensor]) -> torch.Tensor:
+    dispatch.check_given_mask("bias_act_dropout", p, mask)
     fwd, _ = BIAS_ACT_DROPOUT_ROUTE.pick(x)
     return fwd(x.contiguous(), bias, activation, p, mask)[0]
 

@@ -82,6 +82,7 @@ def bias_dropout_residual(x, bias, residual, p=0.0, training=True, mask=None, re
 
 def _bias_dropout_residual_forward(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float,
                                    mask: Optional[torch.Tensor]) -> torch.Tensor:
+    dispatch.check_given_mask("bias_dropout_residual", p, mask)
     fwd, _ = BIAS_DROPOUT_RESIDUAL_ROUTE.pick(x)
     return fwd(x.contiguous(), bias, residual.contiguous(), p, mask)[0]
 

@@ -97,6 +97,7 @@ def bias_dropout_residual_layer_norm(h, bias, residual, weight, ln_bias, p=0.0, 
 def _forward(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, ln_bias: torch.Tensor,
              eps: float, p: float, mask: Optional[torch.Tensor]
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dispatch.check_given_mask("bias_dropout_residual_layer_norm", p, mask)
     fwd, _ = BIAS_DROPOUT_RESIDUAL_LAYER_NORM_ROUTE.pick(h)
     y, x, mean, rstd, _ = fwd(h.contiguous(), bias, residual.contiguous(), weight, ln_bias, eps, p, mask)
     return y, x, mean.reshape(h.shape[:-1]), rstd.reshape(h.shape[:-1])

@@ -130,8 +130,8 @@ def _forward_fake(logits, target, epsilon, padding_idx):
 def _backward_op(dloss: torch.Tensor, dnll: Optional[torch.Tensor], logits: torch.Tensor, target: torch.Tensor,
                  lse: torch.Tensor, epsilon: float, padding_idx: int) -> torch.Tensor:
     _, bwd = CROSS_ENTROPY_ROUTE.pick(logits)
-    return bwd(dloss.contiguous(), None if dnll is None else dnll.contiguous(), logits.contiguous(), target.contiguous(),
-               lse, epsilon, padding_idx)
+    dnll = None if dnll is None else dnll.contiguous()
+    return bwd(dloss.contiguous(), dnll, logits.contiguous(), target.contiguous(), lse, epsilon, padding_idx)
 
 
 def _backward_fake(dloss, dnll, logits, target, lse, epsilon, padding_idx):

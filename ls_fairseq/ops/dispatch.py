@@ -274,6 +274,14 @@ def unaliased(outputs, inputs):
     return tuple(result)
 
 
+def check_given_mask(op, p, mask):
+    """A forward custom op with dropout takes its keep-mask as an input (the graph draws it), so that its
+    backward applies the same one: one that drew its own would have the backward apply none."""
+    if p > 0 and mask is None:
+        raise ValueError("{}::{}_forward: dropout p = {} needs its keep-mask as an input (the entry function "
+                         "draws it under torch.compile)".format(LIBRARY, op, p))
+
+
 def given_dropout(kernel, mask, p):
     """What a backward takes for the forward's dropout when the forward was given ``mask`` (the keep-mask
     a compiled graph draws, or None): the mask itself for a reference, for a kernel (``kernel``) the

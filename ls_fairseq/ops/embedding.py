@@ -177,6 +177,7 @@ def embedding(tokens, positions, weight, pos_weight, scale, padding_idx, p=0.0, 
 def _forward(tokens: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
              scale: float, padding_idx: int, p: float, mask: Optional[torch.Tensor],
              max_position: Optional[int]) -> torch.Tensor:
+    dispatch.check_given_mask("embedding", p, mask)
     fwd, _ = EMBEDDING_ROUTE.pick(weight)
     return fwd(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask, max_position)[0]
 

@@ -109,6 +109,7 @@ def softmax(scores, key_padding_mask=None, causal=False, p=0.0, training=True, m
 
 def _forward(scores: torch.Tensor, key_padding_mask: Optional[torch.Tensor], causal: bool, p: float,
              mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    dispatch.check_given_mask("softmax", p, mask)
     fwd, _ = SOFTMAX_ROUTE.pick(scores)
     key_padding_mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     out, lse, _ = fwd(scores.contiguous(), key_padding_mask, causal, p, mask)
