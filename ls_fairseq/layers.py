@@ -18,7 +18,8 @@ and add the bias and scale the query themselves.
 
 In backward the residual's gradient is not added by autograd: the block's end hands it to
 the block's first op on x (post-LN: the first GEMM, which accumulates into it; pre-LN: the
-LayerNorm), see ops.residual.
+LayerNorm), see ops.residual. Under torch.compile there is no hand-off: autograd adds the residual's
+gradient inside the graph, where the compiler can fuse the add.
 """
 import math
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ls_fairseq import ops
+from ls_fairseq.ops import dispatch
 from ls_fairseq.ops.beam_attention import beam_attention
 from ls_fairseq.ops.bias_act_dropout import ACTIVATIONS
 
@@ -108,7 +110,8 @@ class _Layer(nn.Module):
         """(h, residual, gemm_residual) for a block on x: h its branch's input (x, or LN(x) pre-LN);
         residual the ops.ResidualGrad that hands the residual's gradient from the block's end to its
         first op on x (pre-LN: the LayerNorm; post-LN: the first GEMM, given gemm_residual)."""
-        residual = ops.ResidualGrad()
+        # under torch.compile autograd adds the residual's gradient, in the graph (no hand-off)
+        residual = None if dispatch.compiling() else ops.ResidualGrad()
         if self.normalize_before:
             return ops.layer_norm(x, ln.weight, ln.bias, self.layer_norm_eps, residual_grad=residual), residual, None
         return x, residual, residual

@@ -139,6 +139,15 @@ Dropout next_dropout(const Tensor& like, double p) {
   return *draw_dropout(std::nullopt, p, like);
 }
 
+// The dropout of a forward call that was given `mask` (uint8, 1 = keep) at rate p, as that call's
+// backward kernel takes it: a torch.compile graph draws the keep-mask as a tensor and hands it to
+// the forward kernel and, through this, to the backward kernel.
+Dropout dropout_from_mask(const Tensor& mask, double p) {
+  check_mask(mask, mask, "mask");
+  TORCH_CHECK(p > 0.0 && p < 1.0, "dropout_from_mask: p must be in (0, 1), got ", p);
+  return *draw_dropout(mask, p, mask);
+}
+
 // The forward's keep-bits for a backward over `like`'s elements at rate p (nullptr: no dropout
 // given, every element kept), checked to be that call's.
 const ls::RngState* redrawn(const std::optional<Dropout>& dropout, at::IntArrayRef shape, c10::Device device, double p,
@@ -1033,6 +1042,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("p", [](const Dropout& d) { return d.p; })
       .def("mask", &Dropout::mask, "the keep-mask (uint8, 1 = keep) the call drew, written out");
   m.def("draw_dropout", &next_dropout, "the Dropout the next kernel call over like's shape at rate p would draw");
+  m.def("dropout_from_mask", &dropout_from_mask, "the Dropout of a forward call given mask (uint8, 1 = keep) at rate p");
   m.def("layer_norm_forward", &layer_norm_forward);
   m.def("layer_norm_backward", &layer_norm_backward);
   m.def("bias_dropout_residual_layer_norm_forward", &bias_dropout_residual_layer_norm_forward);

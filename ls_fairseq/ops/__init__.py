@@ -1,5 +1,6 @@
 """Fused Transformer ops: one module per op, each with its PyTorch reference,
-its autograd Function and one ``dispatch.Route`` to its kernel or reference;
+its autograd Function and one ``dispatch.Route`` to its kernel or reference, and
+the ``ls_fairseq::`` custom ops that torch.compile calls instead (dispatch.py);
 ``workspace`` says which parameter gradients the backwards add into in place."""
 from ls_fairseq.ops.adam import adam_step, grad_norm, new_scaler_state, scaled_grad_norm
 from ls_fairseq.ops.attention import AttentionMask, SegmentMask, attention

@@ -36,6 +36,7 @@ q arrives already scaled (the qkv op folds 1/sqrt(d_head) in). Three paths:
   next.
 """
 import contextlib
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,7 @@ except ImportError:
 
 from ls_fairseq.ops import dispatch
 from ls_fairseq.ops.dispatch import _C
-from ls_fairseq.ops.softmax import SOFTMAX_ROUTE, softmax
+from ls_fairseq.ops.softmax import SOFTMAX_ROUTE, lse_dtype, softmax
 
 
 class AttentionMask:
@@ -276,6 +277,10 @@ def _fused_kernel_fits(q, k, v):
             and 1 <= q.shape[-2] <= _C.attention_max_len and 1 <= k.shape[-2] <= _C.attention_max_len)
 
 
+_refuse_segments = dispatch.refusal("attention: segment_attention (a SegmentMask: the packed training step) is not "
+                                    "supported under torch.compile")
+
+
 def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exact_row_term=False):
     """softmax(q k^T + masks) v with dropout ``p`` on the probabilities; ``mask`` an AttentionMask, or a
     SegmentMask for packed streams (ops.segment_attention);
@@ -291,8 +296,14 @@ def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exa
     if isinstance(mask, SegmentMask):
         from ls_fairseq.ops.segment_attention import segment_attention  # the packed step's op (imports this module)
 
+        if dispatch.compiling():
+            _refuse_segments()
         return segment_attention(q, k, v, mask, p, training, deterministic, exact_row_term)
     p = p if training else 0.0
+    if dispatch.compiling():
+        kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
+        keep = dispatch.dropout_mask(q.shape[:-1] + k.shape[-2:-1], p, q.device) if p > 0 else None
+        return attention_forward_op(q, k, v, kpm, causal, p, keep)[0]
     picked = ATTENTION_ROUTE.pick(q)
     if picked is attention_reference:
         return attention_reference(q, k, v, mask, p, training)
@@ -304,3 +315,80 @@ def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exa
     attn_mask, is_causal = mask.sdpa_arguments(q.shape[-2], k.shape[-2], q.dtype, q.device) if mask else (None, False)
     with _backends():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal, scale=1.0)
+
+
+# torch.compile's path: two custom ops. Without dropout, the fused kernel where it runs these
+# inputs (its alignment checked at run time); else, and with dropout (whose keep-mask [B, heads, Tq,
+# Tk] the graph draws and gives to both), the LightSeq path: a GEMM, the softmax route's forward (the
+# backward computes it again, as RecomputedAttentionFunction does) and a GEMM. Exact row term and
+# deterministic on every path; SDPA is not used. Outputs and input gradients token-major, as the
+# fused kernel gives them.
+
+
+def _fused(q, k, v, mask):
+    return mask is None and dispatch.use_kernel("attention", q) and _fused_kernel_fits(q, k, v)
+
+
+def _token_major(t):
+    """t [B, heads, T, d] in a token-major copy (rows of [B, T, heads, d] storage)."""
+    B, H, T, D = t.shape
+    return t.new_empty(B, T, H, D).transpose(1, 2).copy_(t)
+
+
+def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
+                       causal: bool, p: float, mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    dispatch.check_given_mask("attention", p, mask)
+    key_padding_mask = None if key_padding_mask is None else key_padding_mask.contiguous()
+    if _fused(q, k, v, mask):
+        out, lse, _ = ATTENTION_ROUTE.kernel[0](q, k, v, key_padding_mask, causal, 0.0)
+        return out, lse
+    fwd, _ = SOFTMAX_ROUTE.pick(q)
+    probs, lse, _ = fwd(torch.matmul(q, k.transpose(-1, -2)), key_padding_mask, causal, p, mask)
+    return _token_major(torch.matmul(probs, v)), lse
+
+
+def _attention_forward_fake(q, k, v, key_padding_mask, causal, p, mask):
+    B, H, Tq, _ = q.shape
+    return q.new_empty(B, Tq, H, v.shape[-1]).transpose(1, 2), q.new_empty(B, H, Tq, dtype=lse_dtype(q))
+
+
+def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                        key_padding_mask: Optional[torch.Tensor], causal: bool, p: float,
+                        mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    key_padding_mask = None if key_padding_mask is None else key_padding_mask.contiguous()
+    if _fused(q, k, v, mask):
+        return ATTENTION_ROUTE.kernel[1](dout, q, k, v, lse, key_padding_mask, causal, None, 0.0)
+    fwd, bwd = SOFTMAX_ROUTE.pick(q)
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    dropped, _, _ = fwd(scores, key_padding_mask, causal, p, mask)
+    dv = torch.matmul(dropped.transpose(-1, -2), dout)
+    given = dispatch.given_dropout(dispatch.use_kernel("softmax", q), mask, p)
+    ds = bwd(torch.matmul(dout, v.transpose(-1, -2)), scores, lse, key_padding_mask, causal, given, p)
+    return (_token_major(torch.matmul(ds, k)), _token_major(torch.matmul(ds.transpose(-1, -2), q)),
+            _token_major(dv))
+
+
+def _attention_backward_fake(dout, q, k, v, lse, key_padding_mask, causal, p, mask):
+    def like(t):
+        B, H, T, D = t.shape
+        return t.new_empty(B, T, H, D).transpose(1, 2)
+
+    return like(q), like(k), like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, key_padding_mask, ctx.causal, ctx.p, mask = inputs
+    ctx.mark_non_differentiable(output[1])  # lse: kept for the backward only
+    ctx.save_for_backward(q, k, v, output[1], key_padding_mask, mask)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, lse, key_padding_mask, mask = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout, q, k, v, lse, key_padding_mask, ctx.causal, ctx.p, mask)
+    return dq, dk, dv, None, None, None, None
+
+
+attention_backward_op = dispatch.custom_op("attention_backward", _attention_backward, fake=_attention_backward_fake)
+attention_forward_op = dispatch.custom_op("attention_forward", _attention_forward, fake=_attention_forward_fake,
+                                          backward=_backward, setup_context=_setup_context)

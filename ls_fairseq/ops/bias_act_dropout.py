@@ -12,6 +12,7 @@ none). gelu keeps x, recomputes x + bias, and its kernel draws the forward's
 keep-bits again.
 """
 import math
+from typing import Optional
 
 import torch
 
@@ -99,4 +100,51 @@ def bias_act_dropout(x, bias, activation="relu", p=0.0, training=True, mask=None
             "bias_act_dropout: bias {} must equal x's last dimension {}".format(tuple(bias.shape), x.shape[-1])
         )
     p = p if training else 0.0
+    if dispatch.compiling():
+        if p > 0 and mask is None:
+            mask = dispatch.dropout_mask(x.shape, p, x.device)
+        return bias_act_dropout_forward_op(x, bias, activation, p, mask if p > 0 else None)
     return dispatch.run(BiasActDropoutFunction, x, bias, activation, p, mask if p > 0 else None)
+
+
+# torch.compile's path: the same route as two custom ops, the keep-mask a tensor of the graph given
+# to both; relu's backward from the output, as the eager path's
+
+
+def _forward(x: torch.Tensor, bias: torch.Tensor, activation: str, p: float,
+             mask: Optional[torch.Tensor]) -> torch.Tensor:
+    dispatch.check_given_mask("bias_act_dropout", p, mask)
+    fwd, _ = BIAS_ACT_DROPOUT_ROUTE.pick(x)
+    return fwd(x.contiguous(), bias, activation, p, mask)[0]
+
+
+def _forward_fake(x, bias, activation, p, mask):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _backward_op(dout: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], mask: Optional[torch.Tensor],
+                 activation: str, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    kernel = dispatch.use_kernel("bias_act_dropout", x)
+    _, bwd = BIAS_ACT_DROPOUT_ROUTE.pick(x)
+    return bwd(dout.contiguous(), x.contiguous(), bias, dispatch.given_dropout(kernel, mask, p), activation, p)
+
+
+def _backward_fake(dout, x, bias, mask, activation, p):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[-1])
+
+
+def _setup_context(ctx, inputs, output):
+    x, bias, ctx.activation, ctx.p, mask = inputs
+    # relu: [out > 0] is relu'(x + bias) times the keep-mask, so out alone serves (x, bias, mask: none)
+    ctx.save_for_backward(*((output, None, None) if ctx.activation == "relu" else (x, bias, mask)))
+
+
+def _backward(ctx, dout):
+    x, bias, mask = ctx.saved_tensors
+    dx, dbias = bias_act_dropout_backward_op(dout, x, bias, mask, ctx.activation, ctx.p)
+    return dx, dbias, None, None, None
+
+
+bias_act_dropout_backward_op = dispatch.custom_op("bias_act_dropout_backward", _backward_op, fake=_backward_fake)
+bias_act_dropout_forward_op = dispatch.custom_op("bias_act_dropout_forward", _forward, fake=_forward_fake,
+                                                 backward=_backward, setup_context=_setup_context)

@@ -5,6 +5,8 @@ is never stored. Backward needs only the dropout (the kernel reads its keep-bits
 the residual's gradient goes back to autograd, or to the block's first op
 (ops.residual).
 """
+from typing import Optional
+
 import torch
 
 from ls_fairseq.ops import dispatch, workspace
@@ -67,4 +69,53 @@ def bias_dropout_residual(x, bias, residual, p=0.0, training=True, mask=None, re
             )
         )
     p = p if training else 0.0
+    if dispatch.compiling():
+        if p > 0 and mask is None:
+            mask = dispatch.dropout_mask(x.shape, p, x.device)
+        return bias_dropout_residual_forward_op(x, bias, residual, p, mask if p > 0 else None)
     return dispatch.run(BiasDropoutResidualFunction, x, bias, residual, p, mask if p > 0 else None, residual_grad)
+
+
+# torch.compile's path: the same route as two custom ops, the keep-mask a tensor of the graph given
+# to both; the residual's gradient goes back to autograd (no hand-off), the bias's too
+
+
+def _bias_dropout_residual_forward(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float,
+                                   mask: Optional[torch.Tensor]) -> torch.Tensor:
+    dispatch.check_given_mask("bias_dropout_residual", p, mask)
+    fwd, _ = BIAS_DROPOUT_RESIDUAL_ROUTE.pick(x)
+    return fwd(x.contiguous(), bias, residual.contiguous(), p, mask)[0]
+
+
+def _forward_fake(x, bias, residual, p, mask):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _bias_dropout_residual_backward(dout: torch.Tensor, mask: Optional[torch.Tensor],
+                                    p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    kernel = dispatch.use_kernel("bias_dropout_residual", dout)
+    _, bwd = BIAS_DROPOUT_RESIDUAL_ROUTE.pick(dout)
+    dx, dbias = bwd(dout.contiguous(), dispatch.given_dropout(kernel, mask, p), p)
+    return dispatch.unaliased((dx, dbias), (dout,))
+
+
+def _backward_fake(dout, mask, p):
+    return torch.empty_like(dout, memory_format=torch.contiguous_format), dout.new_empty(dout.shape[-1])
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, _, ctx.p, mask = inputs
+    ctx.save_for_backward(mask)
+
+
+def _backward(ctx, dout):
+    (mask,) = ctx.saved_tensors
+    dx, dbias = bias_dropout_residual_backward_op(dout, mask, ctx.p)
+    return dx, dbias, dout, None, None
+
+
+bias_dropout_residual_backward_op = dispatch.custom_op("bias_dropout_residual_backward",
+                                                       _bias_dropout_residual_backward, fake=_backward_fake)
+bias_dropout_residual_forward_op = dispatch.custom_op("bias_dropout_residual_forward", _bias_dropout_residual_forward,
+                                                      fake=_forward_fake, backward=_backward,
+                                                      setup_context=_setup_context)

@@ -6,6 +6,8 @@ bias) is written once, for backward, and never read back) and one autograd node
 for both backwards (LayerNorm's, whose dx is also the residual's gradient, then
 bias_dropout_residual's). The same bits as the two ops in a row.
 """
+from typing import Optional
+
 import torch
 
 from ls_fairseq.ops import dispatch, workspace
@@ -79,5 +81,64 @@ def bias_dropout_residual_layer_norm(h, bias, residual, weight, ln_bias, p=0.0, 
                                                    tuple(weight.shape), tuple(ln_bias.shape))
         )
     p = p if training else 0.0
+    if dispatch.compiling():
+        if p > 0 and mask is None:
+            mask = dispatch.dropout_mask(h.shape, p, h.device)
+        return bias_dropout_residual_layer_norm_forward_op(h, bias, residual, weight, ln_bias, eps, p,
+                                                           mask if p > 0 else None)[0]
     return dispatch.run(BiasDropoutResidualLayerNormFunction, h, bias, residual, weight, ln_bias, eps, p,
                                                       mask if p > 0 else None, residual_grad)
+
+
+# torch.compile's path: the same route as two custom ops, the keep-mask a tensor of the graph given
+# to both; the residual's gradient (LayerNorm's dx) goes back to autograd (no hand-off)
+
+
+def _forward(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, ln_bias: torch.Tensor,
+             eps: float, p: float, mask: Optional[torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dispatch.check_given_mask("bias_dropout_residual_layer_norm", p, mask)
+    fwd, _ = BIAS_DROPOUT_RESIDUAL_LAYER_NORM_ROUTE.pick(h)
+    y, x, mean, rstd, _ = fwd(h.contiguous(), bias, residual.contiguous(), weight, ln_bias, eps, p, mask)
+    return y, x, mean.reshape(h.shape[:-1]), rstd.reshape(h.shape[:-1])
+
+
+def _forward_fake(h, bias, residual, weight, ln_bias, eps, p, mask):
+    y = torch.empty_like(h, memory_format=torch.contiguous_format)
+    stat = h.new_empty(h.shape[:-1], dtype=torch.float64 if h.dtype == torch.float64 else torch.float32)
+    return y, torch.empty_like(y), stat, torch.empty_like(stat)
+
+
+def _backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                 mask: Optional[torch.Tensor], p: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    kernel = dispatch.use_kernel("bias_dropout_residual_layer_norm", x)
+    _, bwd = BIAS_DROPOUT_RESIDUAL_LAYER_NORM_ROUTE.pick(x)
+    out = bwd(dy.contiguous(), x, weight, mean, rstd, dispatch.given_dropout(kernel, mask, p), p)
+    return dispatch.unaliased(out, (dy, x, weight, mean, rstd, mask))
+
+
+def _backward_fake(dy, x, weight, mean, rstd, mask, p):
+    dh = torch.empty_like(x)
+    return dh, x.new_empty(x.shape[-1]), torch.empty_like(dh), torch.empty_like(weight), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, _, weight, _, _, ctx.p, mask = inputs
+    _, x, mean, rstd = output
+    ctx.mark_non_differentiable(x, mean, rstd)  # kept for the backward only
+    ctx.save_for_backward(x, weight, mean, rstd, mask)
+
+
+def _backward(ctx, dy, dx_out, dmean, drstd):
+    x, weight, mean, rstd, mask = ctx.saved_tensors
+    dh, dbias, dx, dweight, dln_bias = bias_dropout_residual_layer_norm_backward_op(dy, x, weight, mean, rstd, mask,
+                                                                                   ctx.p)
+    return dh, dbias, dx, dweight, dln_bias, None, None, None
+
+
+bias_dropout_residual_layer_norm_backward_op = dispatch.custom_op("bias_dropout_residual_layer_norm_backward",
+                                                                  _backward_op, fake=_backward_fake)
+bias_dropout_residual_layer_norm_forward_op = dispatch.custom_op("bias_dropout_residual_layer_norm_forward", _forward,
+                                                                 fake=_forward_fake, backward=_backward,
+                                                                 setup_context=_setup_context)

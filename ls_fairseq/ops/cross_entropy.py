@@ -12,6 +12,8 @@ no second [tokens x vocab] buffer, 1 GiB at 16k tokens and a 32k vocabulary in
 fp16. The caller promises that nothing else needs the logits after the loss
 (autograd would report a node that saved them: they are modified in place).
 """
+from typing import Optional
+
 import torch
 
 from ls_fairseq.ops import dispatch
@@ -102,7 +104,53 @@ def label_smoothed_cross_entropy(logits, target, epsilon, padding_idx, overwrite
                 tuple(logits.shape), tuple(target.shape)
             )
         )
+    if dispatch.compiling():  # the logits' memory stays the graph's: overwrite_logits has no effect here
+        loss, nll, _ = cross_entropy_forward_op(logits.reshape(-1, V), target.reshape(-1), float(epsilon), padding_idx)
+        return loss.view(target.shape), nll.view(target.shape)
     loss, nll = dispatch.run(CrossEntropyFunction,
         logits.reshape(-1, V), target.reshape(-1), float(epsilon), padding_idx, bool(overwrite_logits)
     )
     return loss.view(target.shape), nll.view(target.shape)
+
+
+# torch.compile's path: the same route as two custom ops
+
+
+def _forward(logits: torch.Tensor, target: torch.Tensor, epsilon: float,
+             padding_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fwd, _ = CROSS_ENTROPY_ROUTE.pick(logits)
+    return fwd(logits.contiguous(), target.contiguous(), epsilon, padding_idx)
+
+
+def _forward_fake(logits, target, epsilon, padding_idx):
+    rows = logits.new_empty(logits.shape[0], dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    return rows, torch.empty_like(rows), torch.empty_like(rows)
+
+
+def _backward_op(dloss: torch.Tensor, dnll: Optional[torch.Tensor], logits: torch.Tensor, target: torch.Tensor,
+                 lse: torch.Tensor, epsilon: float, padding_idx: int) -> torch.Tensor:
+    _, bwd = CROSS_ENTROPY_ROUTE.pick(logits)
+    dnll = None if dnll is None else dnll.contiguous()
+    return bwd(dloss.contiguous(), dnll, logits.contiguous(), target.contiguous(), lse, epsilon, padding_idx)
+
+
+def _backward_fake(dloss, dnll, logits, target, lse, epsilon, padding_idx):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, ctx.epsilon, ctx.padding_idx = inputs
+    ctx.mark_non_differentiable(output[2])  # lse: kept for the backward only
+    ctx.set_materialize_grads(False)  # the nll loss, logged only, gives no gradient
+    ctx.save_for_backward(logits, target, output[2])
+
+
+def _backward(ctx, dloss, dnll, dlse):
+    logits, target, lse = ctx.saved_tensors
+    dloss = torch.zeros_like(lse) if dloss is None else dloss
+    return cross_entropy_backward_op(dloss, dnll, logits, target, lse, ctx.epsilon, ctx.padding_idx), None, None, None
+
+
+cross_entropy_backward_op = dispatch.custom_op("cross_entropy_backward", _backward_op, fake=_backward_fake)
+cross_entropy_forward_op = dispatch.custom_op("cross_entropy_forward", _forward, fake=_forward_fake,
+                                              backward=_backward, setup_context=_setup_context)

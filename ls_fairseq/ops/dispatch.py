@@ -13,6 +13,10 @@ and the PyTorch references called the same way (the op's contract), e.g.
 and its autograd Function calls what ``LAYER_NORM_ROUTE.pick(x)`` gives: the kernels
 when the extension is loaded, x lives on a CUDA device in a dtype the kernels
 store, and the op is not forced onto the reference path; else the references.
+Under torch.compile each op's entry function calls the op's ``torch.library`` custom ops
+(``ls_fairseq::<op>_forward`` / ``_backward``, registered with their fake implementations and
+autograd) instead of ``run``: ``compiling()`` says which. Their implementations go through the same
+``Route.pick``, so a compiled graph runs the kernels where eager calls do.
 ``LS_FAIRSEQ_REFERENCE=all`` forces every op onto its PyTorch reference;
 ``LS_FAIRSEQ_REFERENCE=layer_norm,softmax`` forces the named ones (for
 debugging and for A/B checks on the GPU). The variable is read on every call
@@ -187,7 +191,10 @@ def dropout_mask(shape, p, device):
     """A keep-mask (uint8, 1 = keep) drawn from torch's generator, so ``--seed``
     fixes it: 1 where a uniform integer in [0, 2^31) is below (1 - p) 2^31 (one integer
     an element: half the time of ``bernoulli_`` on CPU). Kernels draw theirs from the same
-    generator's Philox state."""
+    generator's Philox state. Under torch.compile, where dynamo does not trace ``Tensor.random_``,
+    1 where a uniform float in [0, 1) is at least p (``torch.rand``, drawn inside the graph)."""
+    if compiling():
+        return torch.rand(shape, device=device).ge(p).view(torch.uint8)
     bits = torch.empty(shape, dtype=torch.int32, device=device).random_()
     return torch.lt(bits, round((1.0 - p) * 2**31)).view(torch.uint8)
 
@@ -219,3 +226,66 @@ def apply_dropout(x, mask, p):
     if mask is None:
         return x if p == 0 else x * (1.0 / (1.0 - p))
     return (x * mask).mul_(1.0 / (1.0 - p))
+
+
+# True while torch.compile traces the caller: the ops' entry functions then call their custom ops
+# (torch.compiler.is_compiling itself, so that an eager call pays for no frame of ours)
+compiling = torch.compiler.is_compiling
+
+LIBRARY = "ls_fairseq"
+
+
+def refusal(message):
+    """A function that raises NotImplementedError(message), for what torch.compile does not support. Dynamo
+    leaves its call to eager (torch.compiler.disable), so that a compile without fullgraph stops with the
+    error too (an exception raised while dynamo traces would have it run the frame eagerly instead, the
+    unsupported path included); under fullgraph dynamo refuses the call and names ``message`` as the reason."""
+    def refuse():
+        raise NotImplementedError(message)
+
+    try:
+        return torch.compiler.disable(refuse, reason=message)
+    except TypeError:  # an older torch, whose disable takes no reason
+        return torch.compiler.disable(refuse)
+
+
+def custom_op(name, impl, fake, backward=None, setup_context=None):
+    """``impl`` (annotated with its schema's types) registered as the custom op ``ls_fairseq::name``
+    that torch.compile calls as one opaque node: ``fake`` gives its outputs' shapes, dtypes and
+    strides on fake tensors (those ``impl`` gives on every path, kernel or reference), ``backward``
+    and ``setup_context`` its autograd (torch.library.register_autograd)."""
+    op = torch.library.custom_op("{}::{}".format(LIBRARY, name), impl, mutates_args=())
+    op.register_fake(fake)
+    if backward is not None:
+        op.register_autograd(backward, setup_context=setup_context)
+    return op
+
+
+def unaliased(outputs, inputs):
+    """``outputs`` (a tuple of tensors), each cloned where it shares memory with a tensor of ``inputs``
+    or an earlier output: a custom op's outputs may alias neither (the references give their input
+    back where a step is the identity, e.g. dropout at p = 0)."""
+    seen = {t.untyped_storage()._cdata for t in inputs if torch.is_tensor(t)}
+    result = []
+    for t in outputs:
+        key = t.untyped_storage()._cdata
+        result.append(t.clone() if key in seen else t)
+        seen.add(key)
+    return tuple(result)
+
+
+def check_given_mask(op, p, mask):
+    """A forward custom op with dropout takes its keep-mask as an input (the graph draws it), so that its
+    backward applies the same one: one that drew its own would have the backward apply none."""
+    if p > 0 and mask is None:
+        raise ValueError("{}::{}_forward: dropout p = {} needs its keep-mask as an input (the entry function "
+                         "draws it under torch.compile)".format(LIBRARY, op, p))
+
+
+def given_dropout(kernel, mask, p):
+    """What a backward takes for the forward's dropout when the forward was given ``mask`` (the keep-mask
+    a compiled graph draws, or None): the mask itself for a reference, for a kernel (``kernel``) the
+    ``_C.Dropout`` that reads it (None without dropout)."""
+    if mask is None or p == 0 or not kernel:
+        return mask
+    return _C.dropout_from_mask(mask, p)

@@ -14,6 +14,7 @@ Backward accumulates the table gradients in fp32 (no half-precision atomics)
 and casts once; padding tokens give no gradient.
 """
 import math
+from typing import Optional
 
 import torch
 
@@ -152,6 +153,12 @@ def embedding(tokens, positions, weight, pos_weight, scale, padding_idx, p=0.0, 
             "embedding: length {} exceeds the learned position table ({} rows); raise "
             "--max-source-positions/--max-target-positions".format(bound - padding_idx, pos_weight.shape[0])
         )
+    if dispatch.compiling():  # the token range check reads the tokens (the reference's indexing checks them)
+        p = p if training else 0.0
+        if p > 0 and mask is None:
+            mask = dispatch.dropout_mask(tokens.shape + weight.shape[1:], p, weight.device)
+        return embedding_forward_op(tokens.contiguous(), positions.contiguous(), weight, pos_weight, scale, padding_idx,
+                                    p, mask if p > 0 else None, max_position)
     if not tokens.is_cuda and tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < weight.shape[0]:
         # on the host the check is cheap; GPU batches come from data that ls_fairseq.data_checks checked at load
         bad = tokens[(tokens < 0) | (tokens >= weight.shape[0])]
@@ -162,3 +169,50 @@ def embedding(tokens, positions, weight, pos_weight, scale, padding_idx, p=0.0, 
         tokens.contiguous(), positions.contiguous(), weight, pos_weight, scale, padding_idx, p, mask if p > 0 else None,
         max_position,
     )
+
+
+# torch.compile's path: the same route as two custom ops, the keep-mask a tensor of the graph given to both
+
+
+def _forward(tokens: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor, pos_weight: Optional[torch.Tensor],
+             scale: float, padding_idx: int, p: float, mask: Optional[torch.Tensor],
+             max_position: Optional[int]) -> torch.Tensor:
+    dispatch.check_given_mask("embedding", p, mask)
+    fwd, _ = EMBEDDING_ROUTE.pick(weight)
+    return fwd(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask, max_position)[0]
+
+
+def _forward_fake(tokens, positions, weight, pos_weight, scale, padding_idx, p, mask, max_position):
+    return weight.new_empty(tokens.shape + weight.shape[1:])
+
+
+def _backward_op(dout: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor],
+                 scale: float, padding_idx: int, p: float, num_embeddings: int,
+                 num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the table's gradient, the position table's: [0, d] where positions are not learned)."""
+    kernel = dispatch.use_kernel("embedding", dout)
+    _, bwd = EMBEDDING_ROUTE.pick(dout)
+    dweight, dpos = bwd(dout.contiguous(), tokens, positions, dispatch.given_dropout(kernel, mask, p), scale,
+                        padding_idx, p, num_embeddings, num_positions)
+    return dweight, dout.new_empty(0, dout.shape[-1]) if dpos is None else dpos
+
+
+def _backward_fake(dout, tokens, positions, mask, scale, padding_idx, p, num_embeddings, num_positions):
+    return dout.new_empty(num_embeddings, dout.shape[-1]), dout.new_empty(num_positions, dout.shape[-1])
+
+
+def _setup_context(ctx, inputs, output):
+    tokens, positions, weight, pos_weight, scale, padding_idx, p, mask, _ = inputs
+    ctx.args = (scale, padding_idx, p, weight.shape[0], 0 if pos_weight is None else pos_weight.shape[0])
+    ctx.save_for_backward(tokens, positions, mask)
+
+
+def _backward(ctx, dout):
+    tokens, positions, mask = ctx.saved_tensors
+    dweight, dpos = embedding_backward_op(dout, tokens, positions, mask, *ctx.args)
+    return None, None, dweight, dpos if ctx.args[-1] else None, None, None, None, None, None
+
+
+embedding_backward_op = dispatch.custom_op("embedding_backward", _backward_op, fake=_backward_fake)
+embedding_forward_op = dispatch.custom_op("embedding_forward", _forward, fake=_forward_fake, backward=_backward,
+                                          setup_context=_setup_context)

@@ -81,4 +81,42 @@ def layer_norm(x, weight, bias, eps=1e-5, residual_grad=None):
                 x.shape[-1], tuple(weight.shape), tuple(bias.shape)
             )
         )
+    if dispatch.compiling():
+        return layer_norm_forward_op(x, weight, bias, eps)[0]
     return dispatch.run(LayerNormFunction, x, weight, bias, eps, residual_grad)
+
+
+# torch.compile's path: the same route as two custom ops, autograd between them; no residual
+# gradient hand-off and no in-place parameter gradients (autograd adds both, inside the graph)
+
+
+def _layer_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fwd, _ = LAYER_NORM_ROUTE.pick(x)
+    y, mean, rstd = fwd(x.contiguous(), weight, bias, eps)
+    return y, mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
+
+
+def _layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, bwd = LAYER_NORM_ROUTE.pick(x)
+    return bwd(dy.contiguous(), x, weight, mean, rstd)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, _ = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)  # kept for the backward only
+    ctx.save_for_backward(x.contiguous(), weight, mean, rstd)
+
+
+def _backward(ctx, dy, dmean, drstd):
+    dx, dweight, dbias = layer_norm_backward_op(dy, *ctx.saved_tensors)
+    return dx, dweight, dbias, None
+
+
+layer_norm_backward_op = dispatch.custom_op("layer_norm_backward", _layer_norm_backward,
+                                            fake=layer_norm_backward_reference)
+layer_norm_forward_op = dispatch.custom_op("layer_norm_forward", _layer_norm_forward,
+                                           fake=layer_norm_forward_reference, backward=_backward,
+                                           setup_context=_setup_context)

@@ -16,7 +16,7 @@ rule, kept on every device), as does every GEMM of the recipe's calibrating firs
 import torch
 import torch.nn.functional as F
 
-from ls_fairseq.ops import workspace
+from ls_fairseq.ops import dispatch, workspace
 from ls_fairseq.ops.fp8_cast import fp8_cast, fp8_fits, fp8_mm
 from ls_fairseq.ops.qkv import merge_heads
 
@@ -112,6 +112,9 @@ def linear_backward(dy, x, weight, heads, residual_grad, needs, fp8=None, w8t=No
     return dx, dy2.t().mm(x2)
 
 
+_refuse_fp8 = dispatch.refusal("linear: --ls-fp8 / fp8 GEMMs are not supported under torch.compile")
+
+
 def linear(x, weight, heads=False, residual_grad=None, fp8=None):
     """x [..., in] @ weight [out, in]^T, without bias. ``heads``: x is attention's output
     [B, heads, T, d_head], whose heads are merged (in = heads * d_head) first. ``residual_grad``
@@ -125,6 +128,10 @@ def linear(x, weight, heads=False, residual_grad=None, fp8=None):
     if heads and residual_grad is not None:
         raise ValueError("linear: a residual gradient goes with an input of [..., in], not with heads")
     fp8 = fp8 if fp8 is not None and fp8.active else None
+    if dispatch.compiling():  # torch's GEMM, its gradients autograd's (no hand-off, no in-place weight gradient)
+        if fp8 is not None:
+            _refuse_fp8()
+        return F.linear(merge_heads(x) if heads else x, weight)
     if torch.is_grad_enabled() and weight.requires_grad:
         return LinearFunction.apply(x, weight, heads, residual_grad, fp8)
     return _forward(x, weight, heads, fp8)[0]

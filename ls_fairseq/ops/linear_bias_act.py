@@ -12,8 +12,9 @@ Other activations, dropout after the activation, or an FP8 GEMM (``fp8``, as ops
 GEMM has no ReLU epilogue): ops.bias_act_dropout after ops.linear.
 """
 import torch
+import torch.nn.functional as F
 
-from ls_fairseq.ops import workspace
+from ls_fairseq.ops import dispatch, workspace
 from ls_fairseq.ops.bias_act_dropout import BIAS_ACT_DROPOUT_ROUTE, bias_act_dropout
 from ls_fairseq.ops.linear import linear, linear_backward
 
@@ -51,6 +52,8 @@ def linear_bias_act(x, weight, bias, activation="relu", p=0.0, training=True, re
     if x.shape[-1] != weight.shape[1] or bias.shape != weight.shape[:1]:
         raise ValueError("linear_bias_act: input {}, weight {} and bias {} do not fit: [..., in], [out, in], "
                          "[out]".format(tuple(x.shape), tuple(weight.shape), tuple(bias.shape)))
+    if dispatch.compiling():  # torch's GEMM with the bias, then relu: the graph's to fuse; autograd's gradients
+        return torch.relu(F.linear(x, weight, bias))
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad):
         return LinearBiasReluFunction.apply(x, weight, bias, residual_grad)
     return _relu_gemm(x, weight, bias)

@@ -81,6 +81,8 @@ def split_heads(x, bias, num_heads, num_parts, first_scale=1.0, token_major=Fals
                 tuple(x.shape), num_parts, num_heads, tuple(bias.shape)
             )
         )
+    if dispatch.compiling():
+        return qkv_forward_op(x, bias, num_heads, num_parts, first_scale, token_major).unbind(0)
     return dispatch.run(QKVFunction, x, bias, num_heads, num_parts, first_scale, token_major)
 
 
@@ -88,3 +90,47 @@ def merge_heads(x):
     """[B, heads, T, d_head] -> [B, T, heads * d_head]."""
     B, H, T, D = x.shape
     return x.transpose(1, 2).reshape(B, T, H * D)
+
+
+# torch.compile's path: the same route as two custom ops; the parts are one output
+# [parts, B, heads, T, d_head] (token-major: of [parts, B, T, heads, d_head] storage) that the
+# graph unbinds, so its backward receives their gradients stacked
+
+
+def _forward(x: torch.Tensor, bias: torch.Tensor, num_heads: int, num_parts: int, first_scale: float,
+             token_major: bool) -> torch.Tensor:
+    fwd, _ = QKV_ROUTE.pick(x)
+    return fwd(x.contiguous(), bias, num_heads, num_parts, first_scale, token_major)
+
+
+def _forward_fake(x, bias, num_heads, num_parts, first_scale, token_major):
+    B, T, C = x.shape
+    D = C // num_parts // num_heads
+    if token_major:
+        return x.new_empty(num_parts, B, T, num_heads, D).transpose(2, 3)
+    return x.new_empty(num_parts, B, num_heads, T, D)
+
+
+def _backward_op(dy: torch.Tensor, first_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _, bwd = QKV_ROUTE.pick(dy)
+    dys = [g if g.stride(-1) == 1 else g.contiguous() for g in dy.unbind(0)]
+    return bwd(dys, first_scale)
+
+
+def _backward_fake(dy, first_scale):
+    P, B, H, T, D = dy.shape
+    return dy.new_empty(B, T, P * H * D), dy.new_empty(P * H * D)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.first_scale = inputs[4]
+
+
+def _backward(ctx, dy):
+    dx, dbias = qkv_backward_op(dy, ctx.first_scale)
+    return dx, dbias, None, None, None, None
+
+
+qkv_backward_op = dispatch.custom_op("qkv_backward", _backward_op, fake=_backward_fake)
+qkv_forward_op = dispatch.custom_op("qkv_forward", _forward, fake=_forward_fake, backward=_backward,
+                                    setup_context=_setup_context)

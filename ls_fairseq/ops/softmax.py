@@ -14,6 +14,8 @@ stock's (csrc/softmax.cu's header). With dropout, the kernel scales a kept proba
 in fp32 and rounds it once; this reference, as stock fairseq, rounds the
 probabilities to the scores' dtype first (the two an ulp apart at most).
 """
+from typing import Optional
+
 import torch
 
 from ls_fairseq.ops import dispatch
@@ -95,4 +97,59 @@ def softmax(scores, key_padding_mask=None, causal=False, p=0.0, training=True, m
             )
         )
     p = p if training else 0.0
+    if dispatch.compiling():
+        if p > 0 and mask is None:
+            mask = dispatch.dropout_mask(scores.shape, p, scores.device)
+        return softmax_forward_op(scores, key_padding_mask, causal, p, mask if p > 0 else None)[0]
     return dispatch.run(SoftmaxFunction, scores, key_padding_mask, causal, p, mask if p > 0 else None)
+
+
+# torch.compile's path: the same route as two custom ops, the keep-mask a tensor of the graph given to both
+
+
+def _forward(scores: torch.Tensor, key_padding_mask: Optional[torch.Tensor], causal: bool, p: float,
+             mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    dispatch.check_given_mask("softmax", p, mask)
+    fwd, _ = SOFTMAX_ROUTE.pick(scores)
+    key_padding_mask = None if key_padding_mask is None else key_padding_mask.contiguous()
+    out, lse, _ = fwd(scores.contiguous(), key_padding_mask, causal, p, mask)
+    return out, lse
+
+
+def _forward_fake(scores, key_padding_mask, causal, p, mask):
+    return (torch.empty_like(scores, memory_format=torch.contiguous_format),
+            scores.new_empty(scores.shape[:-1], dtype=lse_dtype(scores)))
+
+
+def lse_dtype(scores):
+    """The dtype of the log-sum-exp of ``scores``' rows: fp32, fp64 for fp64 scores (the references' math)."""
+    return torch.float64 if scores.dtype == torch.float64 else torch.float32
+
+
+def _backward_op(dout: torch.Tensor, scores: torch.Tensor, lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
+                 causal: bool, mask: Optional[torch.Tensor], p: float) -> torch.Tensor:
+    kernel = dispatch.use_kernel("softmax", scores)
+    _, bwd = SOFTMAX_ROUTE.pick(scores)
+    key_padding_mask = None if key_padding_mask is None else key_padding_mask.contiguous()
+    return bwd(dout.contiguous(), scores.contiguous(), lse, key_padding_mask, causal,
+               dispatch.given_dropout(kernel, mask, p), p)
+
+
+def _backward_fake(dout, scores, lse, key_padding_mask, causal, mask, p):
+    return torch.empty_like(dout, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    scores, key_padding_mask, ctx.causal, ctx.p, mask = inputs
+    ctx.mark_non_differentiable(output[1])  # lse: kept for the backward only
+    ctx.save_for_backward(scores, output[1], key_padding_mask, mask)
+
+
+def _backward(ctx, dout, dlse):
+    scores, lse, key_padding_mask, mask = ctx.saved_tensors
+    return softmax_backward_op(dout, scores, lse, key_padding_mask, ctx.causal, mask, ctx.p), None, None, None, None
+
+
+softmax_backward_op = dispatch.custom_op("softmax_backward", _backward_op, fake=_backward_fake)
+softmax_forward_op = dispatch.custom_op("softmax_forward", _forward, fake=_forward_fake, backward=_backward,
+                                        setup_context=_setup_context)
