@@ -2,7 +2,6 @@
 (schema, fake implementations, autograd), compiled against eager (fp32 on the CPU, tight tolerances;
 fp16/bf16 with the kernels on the GPU), graph breaks counted, and the eager path left as it was.
 Random inputs come from the test's seed (conftest.py; a failure's report names it)."""
-import copy
 import importlib
 from types import SimpleNamespace
 
@@ -428,17 +427,9 @@ def test_gpu_compiled_hf_bert_matches_eager_by_the_2x_rule(dtype):
     """The compiled ls BERT's error against an fp64 run is at most twice eager HF's own, as the eager ls
     BERT's is (test_hf), and it matches the eager ls BERT."""
     pytest.importorskip("transformers")
-    from test_hf import batch, tiny_config
-    from transformers import BertModel
+    from test_hf import gpu_berts
 
-    from ls_fairseq.hf import replace_bert_layers
-
-    config = tiny_config("sdpa", hidden_size=256, num_attention_heads=4, intermediate_size=1024, num_hidden_layers=4)
-    base = BertModel(config, add_pooling_layer=False).cuda().eval()
-    oracle = copy.deepcopy(base).double()
-    hf = copy.deepcopy(base).to(dtype)
-    ls = replace_bert_layers(copy.deepcopy(base)).to(dtype)
-    ids, mask = batch(B=8, T=100, device="cuda")
+    oracle, hf, ls, ids, mask = gpu_berts(dtype)
     rows = mask.bool()
     with torch.no_grad():
         want = oracle(ids, attention_mask=mask).last_hidden_state[rows]

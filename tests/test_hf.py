@@ -142,18 +142,23 @@ def test_what_the_fused_layer_does_not_implement_is_named():
         model.encoder.layer[0](torch.randn(2, 3, 32), None, torch.randn(2, 4, 32))
 
 
+def gpu_berts(dtype):
+    """(an fp64 BERT, the same in dtype, the same with ls layers in dtype, ids, attention mask) of a 4-layer
+    BERT 256 wide on the GPU, and a batch of 8 sentences of up to 100 tokens."""
+    config = tiny_config("sdpa", hidden_size=256, num_attention_heads=4, intermediate_size=1024, num_hidden_layers=4,
+                         max_position_embeddings=128)
+    base = BertModel(config, add_pooling_layer=False).cuda().eval()
+    ids, mask = batch(B=8, T=100, device="cuda")
+    return (copy.deepcopy(base).double(), copy.deepcopy(base).to(dtype),
+            replace_bert_layers(copy.deepcopy(base)).to(dtype), ids, mask)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_ls_layers_against_hfs_own_by_the_2x_rule(dtype):
     """In fp16/bf16 the ls BERT's error against an fp64 run of the same model is at most twice HF's own
     (outputs and gradients), with the kernels."""
-    config = tiny_config("sdpa", hidden_size=256, num_attention_heads=4, intermediate_size=1024, num_hidden_layers=4,
-                         max_position_embeddings=128)
-    base = BertModel(config, add_pooling_layer=False).cuda().eval()
-    oracle = copy.deepcopy(base).double()
-    hf = copy.deepcopy(base).to(dtype)
-    ls = replace_bert_layers(copy.deepcopy(base)).to(dtype)
-    ids, mask = batch(B=8, T=100, device="cuda")
+    oracle, hf, ls, ids, mask = gpu_berts(dtype)
     keep = mask.bool()
     dy = torch.randn(8, 100, 256, device="cuda", dtype=torch.float64) * keep[..., None]
     results = {}

@@ -108,6 +108,29 @@ def test_indivisible_heads_is_a_clear_error():
         LSTransformerModel.build_model(argparse.Namespace(**model_args(encoder_embed_dim=30)), task)
 
 
+def test_flash_cross_attention_reaches_every_decoder_layers_attention(monkeypatch):
+    """--ls-flash-cross-attention: each decoder layer's cross-attention asks ops.attention for no exact row
+    term (so it may take FlashAttention), its self-attention as before; by default the cross-attention
+    asks for it."""
+    from ls_fairseq import layers
+
+    for flash in (False, True):
+        _, ls, task = build_pair(ls_flash_cross_attention=flash)
+        calls = []
+        real = layers.ops.attention
+
+        def spy(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exact_row_term=False):
+            calls.append(exact_row_term)
+            return real(q, k, v, mask, p, training, deterministic, exact_row_term)
+
+        monkeypatch.setattr(layers.ops, "attention", spy)
+        net_input, _ = batch(task)
+        ls(**net_input)
+        monkeypatch.undo()
+        # 2 encoder self-attentions, then per decoder layer (3): self, cross
+        assert calls == [False] * 2 + [False, not flash] * 3, (flash, calls)
+
+
 def test_dropout_changes_training_output_and_eval_is_deterministic():
     _, ls, task = build_pair(dropout=0.3, attention_dropout=0.1, activation_dropout=0.1)
     net_input, _ = batch(task)
