@@ -138,3 +138,60 @@ def test_varlen_path_runs_where_it_fits():
     assert not seg.varlen_fits(q, 0.1, True, False, False)  # dropout
     assert not seg.varlen_fits(q, 0.0, True, True, False)  # deterministic
     assert not seg.varlen_fits(q, 0.0, True, False, True)  # the fp32 row term
+
+
+def test_fused_path_is_opt_in_and_gpu_only(request):
+    """SegmentMask(fused=True) changes nothing where the fused kernel cannot run (the CPU): the same blocks
+    path, the same results; fused_fits says no."""
+    generator = torch.Generator().manual_seed(request.node.ls_seed)
+    q, k, v, mask = streams(generator, "cpu", torch.float32, False)
+    fused = ops.SegmentMask(mask.q_offsets, mask.k_offsets, mask.max_q, mask.max_k, fused=True)
+    assert not mask.fused and fused.fused and not seg.fused_fits(q, k, v, fused)
+    dout = torch.randn(q.shape, generator=generator)
+    for a, b in zip(run(lambda *t: ops.attention(*t, mask), q, k, v, dout, torch.float32),
+                    run(lambda *t: ops.attention(*t, fused), q, k, v, dout, torch.float32)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.0, 0.1])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_fused_path_equals_the_blocks_through_the_fused_kernel(dtype, causal, p, request):
+    """The fused kernel over the offsets (a block per segment and head, nothing gathered) is the blocks
+    path's fused kernel on gathered blocks, bit for bit: output, dq, dk, dv and the dropout's keep-bits
+    (both index [segments, heads, max_q, max_k]); empty and one-token segments, a tail that stays zero."""
+    generator = torch.Generator().manual_seed(request.node.ls_seed)
+    q, k, v, mask = streams(generator, "cuda", dtype, causal, H=4, D=64, segments=23)
+    fused = ops.SegmentMask(mask.q_offsets, mask.k_offsets, mask.max_q, mask.max_k, causal=causal, fused=True)
+    assert seg.fused_fits(q, k, v, fused)
+    dout = torch.randn(q.shape, generator=generator).cuda()
+    results = []
+    for m in (fused, mask):
+        torch.manual_seed(request.node.ls_seed)
+        results.append(run(lambda *t: ops.attention(*t, m, p, True, deterministic=True, exact_row_term=True),
+                           q, k, v, dout, dtype))
+    for a, b, name in zip(*results, ("out", "dq", "dk", "dv")):
+        assert torch.equal(a, b), name
+    tail = mask.tail(q.shape[2])
+    assert results[0][0][0][:, tail].eq(0).all() and results[0][1][0][:, tail].eq(0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_fused_path_against_block_diagonal_reference(dtype, causal, request):
+    """The fused path against the fp64 oracle by the 2x rule, forward and gradients; a mask whose longest
+    segment is beyond the kernel's 64 rows leaves it for the other paths."""
+    generator = torch.Generator().manual_seed(request.node.ls_seed)
+    q, k, v, mask = streams(generator, "cuda", dtype, causal, H=4, D=64, segments=31)
+    fused = ops.SegmentMask(mask.q_offsets, mask.k_offsets, mask.max_q, mask.max_k, causal=causal, fused=True)
+    dout = torch.randn(q.shape, generator=generator).cuda()
+    got = run(lambda *t: ops.attention(*t, fused), q, k, v, dout, dtype)
+    ref64 = run(lambda *t: seg.segment_attention_reference(*t, mask), q, k, v, dout, torch.float64)
+    low = run(lambda *t: seg.segment_attention_reference(*t, mask), q, k, v, dout, dtype)
+    for g, r64, lp, name in zip(got, ref64, low, ("out", "dq", "dk", "dv")):
+        assert torch.isfinite(g).all(), name
+        check_kernel(g, r64, lp, name)
+    long = ops.SegmentMask(mask.q_offsets, mask.k_offsets, 65, 65 if causal else mask.max_k, causal=causal, fused=True)
+    assert not seg.fused_fits(q, k, v, long)
