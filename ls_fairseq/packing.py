@@ -165,19 +165,16 @@ def pack_sample(sample, pad, buckets=None):
 class Packed:
     """A packed batch's streams as the layers see them (from pack_sample's net_input entries): each side's positions
     and longest sentence, and the masks of the encoder's and the decoder's self-attention and of the
-    cross-attention, shared by every layer; ``fused``: the masks let segment attention take the fused
-    kernel (--ls-packed-fused-attention)."""
+    cross-attention, shared by every layer."""
 
     def __init__(self, ls_src_positions, ls_tgt_positions, ls_src_offsets, ls_tgt_offsets, ls_src_max_len,
-                 ls_tgt_max_len, fused=False):
+                 ls_tgt_max_len):
         self.src_positions, self.tgt_positions = ls_src_positions, ls_tgt_positions
         self.src_max_len, self.tgt_max_len = int(ls_src_max_len), int(ls_tgt_max_len)
-        self.encoder_mask = ops.SegmentMask(ls_src_offsets, ls_src_offsets, self.src_max_len, self.src_max_len,
-                                            fused=fused)
+        self.encoder_mask = ops.SegmentMask(ls_src_offsets, ls_src_offsets, self.src_max_len, self.src_max_len)
         self.decoder_mask = ops.SegmentMask(ls_tgt_offsets, ls_tgt_offsets, self.tgt_max_len, self.tgt_max_len,
-                                            causal=True, fused=fused)
-        self.cross_mask = ops.SegmentMask(ls_tgt_offsets, ls_src_offsets, self.tgt_max_len, self.src_max_len,
-                                          fused=fused)
+                                            causal=True)
+        self.cross_mask = ops.SegmentMask(ls_tgt_offsets, ls_src_offsets, self.tgt_max_len, self.src_max_len)
 
 
 def is_packed(sample):

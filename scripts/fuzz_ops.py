@@ -315,9 +315,8 @@ def case_attention(c):
 
 def case_segment_attention(c):
     """Packed streams (--ls-packed): segments of random lengths (empty ones and ones of length 1 too) and
-    a tail past the last offset, causal self-attention or cross-attention, without dropout (``fused``: the
-    fused kernel over the offsets where it fits on the GPU; else varlen's FlashAttention where it fits, else
-    the blocks path), against the block-diagonal oracle."""
+    a tail past the last offset, causal self-attention or cross-attention, without dropout (varlen's
+    FlashAttention where it fits on the GPU, else the blocks path), against the block-diagonal oracle."""
     dtype = c.dtype(("fp16", "bf16") if c.device != "cpu" else ("fp32",))
     causal = c.pick("causal", (False, True))
     H, D = c.dim(16, (4, 8, 16)), c.pick("D", (32, 64, 128))
@@ -338,9 +337,8 @@ def case_segment_attention(c):
     else:
         longest_k = max(2, c.dim(max(1, min(512, c.max_elements // (segments * H * D) or 1)), (1, 33, 64)))
         k_offsets, nk = stream(longest_k)
-    fused = c.pick("fused", (False, True))
     c.params.update(segments=segments, H=H, nq=nq, nk=nk, longest_q=longest_q, longest_k=longest_k)
-    mask = ops.SegmentMask(q_offsets, k_offsets, longest_q, longest_k, causal=causal, fused=fused)
+    mask = ops.SegmentMask(q_offsets, k_offsets, longest_q, longest_k, causal=causal)
     q, k, v = (c.tensor((1, n, H, D), dtype, scale=D**-0.5 if n == nq else 1.0).transpose(1, 2) for n in (nq, nk, nk))
     dout = c.tensor((1, nq, H, D), dtype).transpose(1, 2)
 

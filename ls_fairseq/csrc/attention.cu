@@ -8,9 +8,6 @@
 // (forward and backward recompute them from q, k and each row's log-sum-exp, the
 // one value kept per query row), the keep-mask (drawn from Philox for each block's
 // range of the [B, heads, Tq, Tk] element index, and drawn again in backward).
-// Segments (packed streams, --ls-packed): a block per (segment, head) instead of (batch, head), its rows
-// and their lengths read from the offsets, so no sentence is padded and nothing is gathered; the keep-bits
-// and the log-sum-exps keep the [segments, heads, max_q, max_k] index of the padded blocks.
 // LightSeq2 technique: its fused masked softmax + dropout with the attention GEMMs
 // around it, taken one step further (FlashAttention's recompute instead of stored
 // probabilities). For the short rows of translation batches the library
@@ -186,38 +183,17 @@ __device__ __forceinline__ void zero_row(T* row, int lk, int lane) {
 struct Rows {
   const uint8_t* key_padding;  // [B, Tk] or nullptr
   bool causal;
-  int tq, tk;  // the rows of a batch row; with offsets, the longest segment's (the blocks' index pitch)
-  const int* q_offsets = nullptr;  // [B + 1] (segments): segment b's queries are rows q_offsets[b] ..
-  const int* k_offsets = nullptr;  // q_offsets[b + 1] - 1 of the stream, its keys likewise; nullptr: batch rows
-};
-
-// One block's rows: where its q, k, v, out rows start (elements) and how many it has.
-struct BlockRows {
   int tq, tk;
-  int64_t q, k, v, o;
-  __device__ BlockRows(const Rows& rows, int b, const PartStrides& qs, const PartStrides& ks, const PartStrides& vs,
-                       const PartStrides& os) {
-    if (rows.q_offsets) {
-      const int q0 = rows.q_offsets[b], k0 = rows.k_offsets[b];
-      tq = rows.q_offsets[b + 1] - q0;
-      tk = rows.k_offsets[b + 1] - k0;
-      q = q0 * qs.len, k = k0 * ks.len, v = k0 * vs.len, o = q0 * os.len;
-    } else {
-      tq = rows.tq, tk = rows.tk;
-      q = b * qs.batch, k = b * ks.batch, v = b * vs.batch, o = b * os.batch;
-    }
-  }
 };
 
 // One block's masks: its batch row of the key padding copied to smem `pad` (by the block's threads,
-// before a barrier), so the softmax rows read it there; tq, tk the block's own rows, pitch the keys a
-// row of the keep-bits' index holds.
+// before a barrier), so the softmax rows read it there.
 struct BlockMask {
   const uint8_t* pad;
   bool causal;
-  int tq, tk, pitch;
-  __device__ BlockMask(const Rows& rows, int b, int tq_, int tk_, uint8_t* pad_s)
-      : pad(rows.key_padding ? pad_s : nullptr), causal(rows.causal), tq(tq_), tk(tk_), pitch(rows.tk) {
+  int tq, tk;
+  __device__ BlockMask(const Rows& rows, int b, uint8_t* pad_s)
+      : pad(rows.key_padding ? pad_s : nullptr), causal(rows.causal), tq(rows.tq), tk(rows.tk) {
     if (pad)
       for (int j = threadIdx.x; j < tk; j += kThreads) pad_s[j] = rows.key_padding[int64_t(b) * tk + j];
   }
@@ -271,7 +247,7 @@ __device__ void forward_rows(const Layout& l, const BlockMask& mask, const float
     sum = warp_sum(sum);
     if (lane == 0) lse[i] = mx == -INFINITY ? -INFINITY : mx + logf(sum);
     const float inv = mx == -INFINITY ? 0.f : w.scale / sum;
-    const int row = bit0 + i * mask.pitch;
+    const int row = bit0 + i * mask.tk;
 #pragma unroll
     for (int m = 0; m < kCols; ++m) {
       const int j = lane + 32 * m;
@@ -296,7 +272,7 @@ __device__ void backward_rows(const Layout& l, const BlockMask& mask, const floa
       continue;
     }
     const float row_lse = lse_s[i];
-    const int row = bit0 + i * mask.pitch;
+    const int row = bit0 + i * mask.tk;
     float pr[kCols], dp[kCols], kept[kCols], d = 0.f;
 #pragma unroll
     for (int m = 0; m < kCols; ++m) {
@@ -326,9 +302,7 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* __
                                                                      float* __restrict__ lse, int heads, float p,
                                                                      RngState rng) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const int b = blockIdx.x / heads, h = blockIdx.x % heads;
-  const BlockRows at(rows, b, qs, ks, vs, os);
-  const int tq = at.tq, tk = at.tk, pq = rows.tq, pk = rows.tk;
+  const int b = blockIdx.x / heads, h = blockIdx.x % heads, tq = rows.tq, tk = rows.tk;
   const Layout l(tq, tk);
   T* const q_s = reinterpret_cast<T*>(smem);
   T* const k_s = q_s + l.lq * kLdh;
@@ -337,24 +311,24 @@ __global__ void __launch_bounds__(kThreads) attention_forward_kernel(const T* __
   const size_t s_bytes = l.scores() > kStagingBytes ? l.scores() : kStagingBytes;
   T* const p_s = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(s_s) + s_bytes);
   uint8_t* const bits = reinterpret_cast<uint8_t*>(p_s + l.lq * l.ldp);
-  const uint64_t base = uint64_t(blockIdx.x) * pq * pk;
-  const BlockMask mask(rows, b, tq, tk, bits + l.bits(pq, pk));
+  const uint64_t base = uint64_t(blockIdx.x) * tq * tk;
+  const BlockMask mask(rows, b, bits + l.bits(tq, tk));
 
-  load_rows(q_s, q + at.q + h * qs.head, qs.len, tq, l.lq);
-  load_rows(k_s, k + at.k + h * ks.head, ks.len, tk, l.lk);
-  load_rows(v_s, v + at.v + h * vs.head, vs.len, tk, l.lk);
-  if (p > 0.f) draw_keep_bits(rng, base, pq * pk, p, bits);
+  load_rows(q_s, q + b * qs.batch + h * qs.head, qs.len, tq, l.lq);
+  load_rows(k_s, k + b * ks.batch + h * ks.head, ks.len, tk, l.lk);
+  load_rows(v_s, v + b * vs.batch + h * vs.head, vs.len, tk, l.lk);
+  if (p > 0.f) draw_keep_bits(rng, base, tq * tk, p, bits);
   cp_async_wait_all();
   __syncthreads();
   gemm_nt(q_s, k_s, l.lq, l.lk, ToSmem{s_s, l.lds});
   __syncthreads();
-  float* const row_lse = lse + int64_t(blockIdx.x) * pq;
+  float* const row_lse = lse + int64_t(blockIdx.x) * tq;
   if (l.lk <= 32)
     forward_rows<1>(l, mask, s_s, p_s, bits, int(base & 7), p, row_lse);
   else
     forward_rows<2>(l, mask, s_s, p_s, bits, int(base & 7), p, row_lse);
   __syncthreads();
-  gemm_nn(p_s, l.ldp, v_s, l.lq, l.lk, ToGlobal<T>{out + at.o + h * os.head, os.len, tq, s_s});
+  gemm_nn(p_s, l.ldp, v_s, l.lq, l.lk, ToGlobal<T>{out + b * os.batch + h * os.head, os.len, tq, s_s});
 }
 
 template <typename T>
@@ -364,9 +338,7 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
     T* __restrict__ dq, PartStrides dqs, T* __restrict__ dk, PartStrides dks, T* __restrict__ dv, PartStrides dvs,
     int heads, float p, RngState rng) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const int b = blockIdx.x / heads, h = blockIdx.x % heads;
-  const BlockRows at(rows, b, qs, ks, vs, dos);  // dout's rows are out's
-  const int tq = at.tq, tk = at.tk, pq = rows.tq, pk = rows.tk;
+  const int b = blockIdx.x / heads, h = blockIdx.x % heads, tq = rows.tq, tk = rows.tk;
   const Layout l(tq, tk);
   T* const q_s = reinterpret_cast<T*>(smem);
   T* const do_s = q_s + l.lq * kLdh;
@@ -379,16 +351,16 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   T* const p_s = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(s_s) + s_bytes);  // Pd
   T* const ds_s = p_s + l.lq * l.ldp;
   uint8_t* const bits = reinterpret_cast<uint8_t*>(ds_s + l.lq * l.ldp);
-  float* const lse_s = reinterpret_cast<float*>(bits + l.bits(pq, pk));
-  const uint64_t base = uint64_t(blockIdx.x) * pq * pk;
-  const BlockMask mask(rows, b, tq, tk, reinterpret_cast<uint8_t*>(lse_s + l.lq));
-  for (int i = threadIdx.x; i < tq; i += kThreads) lse_s[i] = lse[int64_t(blockIdx.x) * pq + i];
+  float* const lse_s = reinterpret_cast<float*>(bits + l.bits(tq, tk));
+  const uint64_t base = uint64_t(blockIdx.x) * tq * tk;
+  const BlockMask mask(rows, b, reinterpret_cast<uint8_t*>(lse_s + l.lq));
+  for (int i = threadIdx.x; i < tq; i += kThreads) lse_s[i] = lse[int64_t(blockIdx.x) * tq + i];
 
-  load_rows(q_s, q + at.q + h * qs.head, qs.len, tq, l.lq);
-  load_rows(do_s, dout + at.o + h * dos.head, dos.len, tq, l.lq);
-  load_rows(k_s, k + at.k + h * ks.head, ks.len, tk, l.lk);
-  load_rows(v_s, v + at.v + h * vs.head, vs.len, tk, l.lk);
-  if (p > 0.f) draw_keep_bits(rng, base, pq * pk, p, bits);
+  load_rows(q_s, q + b * qs.batch + h * qs.head, qs.len, tq, l.lq);
+  load_rows(do_s, dout + b * dos.batch + h * dos.head, dos.len, tq, l.lq);
+  load_rows(k_s, k + b * ks.batch + h * ks.head, ks.len, tk, l.lk);
+  load_rows(v_s, v + b * vs.batch + h * vs.head, vs.len, tk, l.lk);
+  if (p > 0.f) draw_keep_bits(rng, base, tq * tk, p, bits);
   cp_async_wait_all();
   __syncthreads();
   gemm_nt(q_s, k_s, l.lq, l.lk, ToSmem{s_s, l.lds});
@@ -399,11 +371,9 @@ __global__ void __launch_bounds__(kThreads) attention_backward_kernel(
   else
     backward_rows<2>(l, mask, s_s, dp_s, lse_s, p_s, ds_s, bits, int(base & 7), p);
   __syncthreads();
-  // the gradients' rows sit where their inputs' do (rows of the same streams, or batch rows)
-  const BlockRows g(rows, b, dqs, dks, dvs, dqs);
-  gemm_tn(p_s, l.ldp, do_s, l.lk, l.lq, ToGlobal<T>{dv + g.v + h * dvs.head, dvs.len, tk, s_s});
-  gemm_tn(ds_s, l.ldp, q_s, l.lk, l.lq, ToGlobal<T>{dk + g.k + h * dks.head, dks.len, tk, s_s});
-  gemm_nn(ds_s, l.ldp, k_s, l.lq, l.lk, ToGlobal<T>{dq + g.q + h * dqs.head, dqs.len, tq, s_s});
+  gemm_tn(p_s, l.ldp, do_s, l.lk, l.lq, ToGlobal<T>{dv + b * dvs.batch + h * dvs.head, dvs.len, tk, s_s});
+  gemm_tn(ds_s, l.ldp, q_s, l.lk, l.lq, ToGlobal<T>{dk + b * dks.batch + h * dks.head, dks.len, tk, s_s});
+  gemm_nn(ds_s, l.ldp, k_s, l.lq, l.lk, ToGlobal<T>{dq + b * dqs.batch + h * dqs.head, dqs.len, tq, s_s});
 }
 
 // Dynamic shared memory beyond the default 48 KB: the kernel's need at the longest rows, allowed once.
@@ -417,15 +387,14 @@ void allow_smem(size_t most) {
 
 void attention_forward(DType dt, const void* q, PartStrides qs, const void* k, PartStrides ks, const void* v,
                        PartStrides vs, const uint8_t* key_padding, bool causal, void* out, PartStrides os, float* lse,
-                       int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream,
-                       const int* q_offsets, const int* k_offsets) {
+                       int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream) {
   if (batch == 0 || heads == 0 || tq == 0) return;
   LS_DISPATCH_HALF(dt, {
     constexpr auto kernel = attention_forward_kernel<T>;
     allow_smem<kernel>(forward_smem<T>(kAttnMaxLen, kAttnMaxLen));
-    kernel<<<batch * heads, kThreads, forward_smem<T>(tq, tk), stream>>>(
-        (const T*)q, qs, (const T*)k, ks, (const T*)v, vs, Rows{key_padding, causal, tq, tk, q_offsets, k_offsets},
-        (T*)out, os, lse, heads, p, rng);
+    kernel<<<batch * heads, kThreads, forward_smem<T>(tq, tk), stream>>>((const T*)q, qs, (const T*)k, ks, (const T*)v, vs,
+                                                       Rows{key_padding, causal, tq, tk}, (T*)out, os, lse, heads, p,
+                                                       rng);
   })
 }
 
@@ -433,14 +402,13 @@ void attention_backward(DType dt, const void* dout, PartStrides dos, const void*
                         PartStrides ks, const void* v, PartStrides vs, const float* lse, const uint8_t* key_padding,
                         bool causal, const RngState* rng, float p, void* dq, PartStrides dqs, void* dk,
                         PartStrides dks, void* dv, PartStrides dvs, int batch, int heads, int tq, int tk,
-                        cudaStream_t stream, const int* q_offsets, const int* k_offsets) {
+                        cudaStream_t stream) {
   if (batch == 0 || heads == 0 || tq == 0) return;
   LS_DISPATCH_HALF(dt, {
     constexpr auto kernel = attention_backward_kernel<T>;
     allow_smem<kernel>(backward_smem<T>(kAttnMaxLen, kAttnMaxLen));
     kernel<<<batch * heads, kThreads, backward_smem<T>(tq, tk), stream>>>(
-        (const T*)dout, dos, (const T*)q, qs, (const T*)k, ks, (const T*)v, vs, lse,
-        Rows{key_padding, causal, tq, tk, q_offsets, k_offsets},
+        (const T*)dout, dos, (const T*)q, qs, (const T*)k, ks, (const T*)v, vs, lse, Rows{key_padding, causal, tq, tk},
         (T*)dq, dqs, (T*)dk, dks, (T*)dv, dvs, heads, rng ? p : 0.f, rng ? *rng : RngState{});
   })
 }

@@ -513,77 +513,6 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward(const Tensor& dout, const 
   return {dq, dk, dv};
 }
 
-// ---- segment attention (attention.cu's kernels over the offsets of packed streams) ----
-// The segment rows of packed streams q [1, heads, Nq, d_head], k and v [1, heads, Nk, d_head]: the offsets'
-// checks; the segment count.
-int64_t check_segments(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_offsets,
-                       const Tensor& k_offsets, int64_t max_q, int64_t max_k) {
-  TORCH_CHECK(q.size(0) == 1 && k.size(0) == 1 && v.sizes() == k.sizes() && k.size(1) == q.size(1),
-              "segment_attention: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(),
-              " must be packed streams [1, heads, rows, d_head] with the same heads");
-  for (const Tensor* t : {&q_offsets, &k_offsets}) {
-    TORCH_CHECK(t->is_cuda() && t->device() == q.device() && t->scalar_type() == at::kInt && t->dim() == 1 &&
-                    t->is_contiguous(),
-                "segment_attention: offsets must be contiguous int32 [segments + 1] on q's device, got ",
-                t->scalar_type(), " ", t->sizes(), " on ", t->device());
-  }
-  TORCH_CHECK(q_offsets.numel() == k_offsets.numel() && q_offsets.numel() >= 2,
-              "segment_attention: q_offsets ", q_offsets.sizes(), " and k_offsets ", k_offsets.sizes(),
-              " must both be [segments + 1], at least one segment");
-  TORCH_CHECK(max_q >= 1 && max_k >= 1 && max_q <= ls::kAttnMaxLen && max_k <= ls::kAttnMaxLen,
-              "segment_attention: the longest segments (", max_q, " queries, ", max_k, " keys) must be in [1, ",
-              ls::kAttnMaxLen, "] (longer ones take the varlen or blocks path)");
-  return q_offsets.numel() - 1;
-}
-
-std::tuple<Tensor, Tensor, std::optional<Dropout>> segment_attention_forward(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q_offsets, const Tensor& k_offsets, int64_t max_q,
-    int64_t max_k, bool causal, double p) {
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-              "segment_attention: q must be float16 or bfloat16 (the tensor-core path), got ", q.scalar_type());
-  const auto qs = head_rows(q, q, "q"), ks = head_rows(k, q, "k"), vs = head_rows(v, q, "v");
-  const int64_t S = check_segments(q, k, v, q_offsets, k_offsets, max_q, max_k), H = q.size(1);
-  check_probability(p, "segment_attention");
-  const c10::cuda::CUDAGuard guard(q.device());
-  // rows outside every segment (the tail) are not written by the kernel: zero from the start
-  auto out = torch::zeros({1, q.size(2), H, q.size(3)}, q.options()).transpose(1, 2);
-  auto lse = torch::empty({S, H, max_q}, q.options().dtype(at::kFloat));
-  std::optional<Dropout> dropout;
-  if (p > 0.0) dropout = Dropout{philox_state(), std::nullopt, {S, H, max_q, max_k}, p, q.device()};
-  ls::attention_forward(dtype_of(q, "q"), q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs, nullptr, causal,
-                        out.data_ptr(), {out.stride(0), out.stride(1), out.stride(2)}, lse.data_ptr<float>(), int(S),
-                        int(H), int(max_q), int(max_k), float(p), rng_of(dropout), stream(),
-                        q_offsets.data_ptr<int>(), k_offsets.data_ptr<int>());
-  CHECK_CUDA_OK();
-  return {out, lse, dropout};
-}
-
-std::tuple<Tensor, Tensor, Tensor> segment_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
-                                                              const Tensor& v, const Tensor& lse,
-                                                              const Tensor& q_offsets, const Tensor& k_offsets,
-                                                              int64_t max_q, int64_t max_k, bool causal,
-                                                              const std::optional<Dropout>& dropout, double p) {
-  const auto qs = head_rows(q, q, "q"), ks = head_rows(k, q, "k"), vs = head_rows(v, q, "v");
-  const auto dos = head_rows(dout, q, "dout");
-  const int64_t S = check_segments(q, k, v, q_offsets, k_offsets, max_q, max_k), H = q.size(1);
-  check_shape(dout, q.sizes(), "dout");
-  check_lse(lse, q, S, H, max_q);
-  const ls::RngState* rng = redrawn(dropout, {S, H, max_q, max_k}, q.device(), p, "segment_attention");
-  const c10::cuda::CUDAGuard guard(q.device());
-  auto zeros_like_rows = [&](const Tensor& t) {
-    return torch::zeros({1, t.size(2), H, t.size(3)}, t.options()).transpose(1, 2);
-  };
-  auto dq = zeros_like_rows(q), dk = zeros_like_rows(k), dv = zeros_like_rows(v);
-  ls::attention_backward(dtype_of(q, "q"), dout.data_ptr(), dos, q.data_ptr(), qs, k.data_ptr(), ks, v.data_ptr(), vs,
-                         lse.data_ptr<float>(), nullptr, causal, rng, float(p), dq.data_ptr(),
-                         {dq.stride(0), dq.stride(1), dq.stride(2)}, dk.data_ptr(),
-                         {dk.stride(0), dk.stride(1), dk.stride(2)}, dv.data_ptr(),
-                         {dv.stride(0), dv.stride(1), dv.stride(2)}, int(S), int(H), int(max_q), int(max_k), stream(),
-                         q_offsets.data_ptr<int>(), k_offsets.data_ptr<int>());
-  CHECK_CUDA_OK();
-  return {dq, dk, dv};
-}
-
 // ---- qkv ----
 // The head-split kernels index tokens (batch x len) with 32-bit integers.
 void check_tokens(int64_t batch, int64_t len) {
@@ -1128,8 +1057,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("attention_max_len") = ls::kAttnMaxLen;
   m.def("attention_forward", &attention_forward);
   m.def("attention_backward", &attention_backward);
-  m.def("segment_attention_forward", &segment_attention_forward);
-  m.def("segment_attention_backward", &segment_attention_backward);
   m.def("qkv_forward", &qkv_forward);
   m.def("qkv_backward", &qkv_backward);
   m.def("embedding_forward", &embedding_forward);

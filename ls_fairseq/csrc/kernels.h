@@ -120,21 +120,16 @@ void qkv_backward(DType dt, const void* const* dy, const PartStrides* dy_strides
 // heads and T in elements, d_head contiguous, rows 16-byte aligned), fp16/bf16, 1 <= Tq, Tk <= kAttnMaxLen;
 // key_padding [B, Tk] (nullptr: none); causal: key j hidden from query i when j > i + Tk - Tq. lse [B, heads, Tq]
 // (fp32): each query row's log-sum-exp, which the backward recomputes the probabilities from; the keep-bits of
-// probability (b, h, i, j) are element ((b * heads + h) * Tq + i) * Tk + j's, as dropout_keep_mask draws them.
-// Segments: q_offsets, k_offsets [batch + 1] (int32, on the device; nullptr: batch rows) make "batch" the
-// segment count of packed streams [1, heads, N, d_head]: segment b's queries are rows q_offsets[b] ..
-// q_offsets[b + 1] - 1 (keys likewise), at most tq (tk) of them, no key padding; tq, tk keep their place
-// in the keep-bits' and lse's index, and rows outside every segment are not written
+// probability (b, h, i, j) are element ((b * heads + h) * Tq + i) * Tk + j's, as dropout_keep_mask draws them
 constexpr int kAttnHeadDim = 64, kAttnMaxLen = 64;
 void attention_forward(DType dt, const void* q, PartStrides qs, const void* k, PartStrides ks, const void* v,
                        PartStrides vs, const uint8_t* key_padding, bool causal, void* out, PartStrides os, float* lse,
-                       int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream,
-                       const int* q_offsets = nullptr, const int* k_offsets = nullptr);
+                       int batch, int heads, int tq, int tk, float p, RngState rng, cudaStream_t stream);
 void attention_backward(DType dt, const void* dout, PartStrides dos, const void* q, PartStrides qs, const void* k,
                         PartStrides ks, const void* v, PartStrides vs, const float* lse, const uint8_t* key_padding,
                         bool causal, const RngState* rng, float p, void* dq, PartStrides dqs, void* dk,
                         PartStrides dks, void* dv, PartStrides dvs, int batch, int heads, int tq, int tk,
-                        cudaStream_t stream, const int* q_offsets = nullptr, const int* k_offsets = nullptr);
+                        cudaStream_t stream);
 
 // embedding.cu: tokens/positions [n] (int64); pos_weight the learned or sinusoid table
 void embedding_forward(DType dt, const int64_t* tokens, const int64_t* positions, const void* weight,

@@ -110,15 +110,6 @@ class LSTransformerConfig(FairseqDataclass):
             "fused masked softmax, as LightSeq2 does, instead of FlashAttention, whose backward adds with atomics"
         },
     )
-    ls_packed_fused_attention: bool = field(
-        default=False,
-        metadata={
-            "help": "experimental, not yet run on a GPU: with --ls-packed, attention over segments of up to 64 "
-            "tokens through ls's fused attention kernel indexed by the offsets (a block per sentence and head, "
-            "nothing padded or gathered; dropout, --ls-deterministic and the fp32 row term honoured); longer "
-            "segments keep the varlen or blocks path"
-        },
-    )
     ls_flash_cross_attention: bool = field(
         default=False,
         metadata={
@@ -427,7 +418,6 @@ class LSTransformerModel(FairseqEncoderDecoderModel):
         decoder = LSTransformerDecoder(args, tgt_dict, decoder_embed, right_padded_targets=right_padded, fp8=fp8)
         model = cls(encoder, decoder)
         model.fp8 = fp8
-        model.packed_fused_attention = args.ls_packed_fused_attention
         return model
 
     def forward(self, src_tokens, src_lengths, prev_output_tokens, **kwargs):
@@ -436,8 +426,7 @@ class LSTransformerModel(FairseqEncoderDecoderModel):
         if self.training and getattr(self, "fp8", None) is not None:
             self.fp8.begin(src_tokens.device)
         if "ls_src_offsets" in kwargs:
-            packed = Packed(**{key: kwargs.pop(key) for key in packing.KEYS},
-                            fused=getattr(self, "packed_fused_attention", False))
+            packed = Packed(**{key: kwargs.pop(key) for key in packing.KEYS})
             encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, packed=packed, **kwargs)
             return self.decoder(prev_output_tokens, encoder_out=encoder_out, packed=packed, **kwargs)
         return super().forward(src_tokens, src_lengths, prev_output_tokens, **kwargs)
@@ -495,7 +484,6 @@ def base_architecture(args):
     args.ls_deterministic = getattr(args, "ls_deterministic", False)
     args.ls_cuda_graphs = getattr(args, "ls_cuda_graphs", False)
     args.ls_flash_cross_attention = getattr(args, "ls_flash_cross_attention", False)
-    args.ls_packed_fused_attention = getattr(args, "ls_packed_fused_attention", False)
     args.ls_packed = getattr(args, "ls_packed", False)
     args.ls_fp8 = getattr(args, "ls_fp8", False)
     args.ls_fp8_forward = getattr(args, "ls_fp8_forward", "qkv,kv,vocab")

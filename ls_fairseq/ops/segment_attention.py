@@ -9,12 +9,7 @@ segment s (and, ``causal``, only those at or before its own place in the segment
 The output has q's shape, laid out as [1, Nq, heads, d_head] storage (so the out
 projection merges its heads as a view), with the tail rows exactly zero.
 
-Three paths:
-- fused (CUDA, fp16/bf16, d_head 64, segments of at most 64 queries and keys; opt-in,
-  ``SegmentMask(fused=True)``, --ls-packed-fused-attention, until it has run on a GPU): ls's fused
-  attention kernel with a block per (segment, head), its rows read from the offsets, so nothing is
-  padded or gathered; it honours dropout, ``deterministic`` and the fp32 row term, and draws the same
-  keep-bits as the blocks path would over [segments, heads, max_q, max_k].
+Two paths:
 - blocks (every device; the CPU's path): each segment's rows are gathered into a
   block of ``max_q`` (``max_k``) rows, [segments, heads, max, d_head], and the
   blocks go through ``ops.attention`` with a key padding mask: its fused kernel, the
@@ -31,7 +26,6 @@ Three paths:
   leaves the tail rows of its output and of its gradients unwritten: they are set to
   zero here.
 ``LS_FAIRSEQ_REFERENCE=segment_attention`` keeps the GPU on the blocks path (SEGMENT_ATTENTION_ROUTE).
-Whichever path runs, the tail rows of the output and of the gradients are zero.
 """
 import functools
 import inspect
@@ -40,7 +34,6 @@ import torch
 
 from ls_fairseq.ops import dispatch
 from ls_fairseq.ops.attention import AttentionMask, attention
-from ls_fairseq.ops.dispatch import _C
 
 try:  # torch >= 2.10, CUDA only
     from torch.nn.attention.varlen import varlen_attn
@@ -120,40 +113,6 @@ SEGMENT_ATTENTION_ROUTE = dispatch.Route(
 )
 
 
-class FusedSegmentAttention(torch.autograd.Function):
-    """The fused kernel over the segments (``_C.segment_attention_forward`` / ``_backward``): saves q, k, v,
-    the offsets and each query row's log-sum-exp; the dropout's state stays on ctx."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, p):
-        out, lse, dropout = _C.segment_attention_forward(q, k, v, mask.q_offsets, mask.k_offsets, mask.max_q,
-                                                         mask.max_k, mask.causal, p)
-        ctx.save_for_backward(q, k, v, lse, mask.q_offsets, mask.k_offsets)
-        ctx.shape, ctx.p, ctx.dropout = (mask.max_q, mask.max_k, mask.causal), p, dropout
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, lse, q_offsets, k_offsets = ctx.saved_tensors
-        dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-        dq, dk, dv = _C.segment_attention_backward(dout, q, k, v, lse, q_offsets, k_offsets, *ctx.shape, ctx.dropout,
-                                                   ctx.p)
-        return dq, dk, dv, None, None
-
-
-def fused_fits(q, k, v, mask):
-    """Whether the fused path runs: asked for (``mask.fused``), the route picks the kernel side, the extension
-    has the segment kernels, fp16/bf16 rows of its d_head contiguous at 16-byte boundaries, and every
-    segment within its rows (the mask's longest)."""
-    if not (mask.fused and SEGMENT_ATTENTION_ROUTE.pick(q) is not blocks_attention
-            and hasattr(_C, "segment_attention_forward")):
-        return False
-    aligned = all(t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
-                  for t in (q, k, v))
-    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == _C.attention_head_dim and aligned
-            and mask.max_q <= _C.attention_max_len and mask.max_k <= _C.attention_max_len)
-
-
 def varlen_fits(q, p, training, deterministic, exact_row_term):
     """Whether the varlen (FlashAttention) path runs: the route picks the kernel side (CUDA, the op not
     forced onto its reference, torch's varlen_attn present), fp16/bf16, and nothing asked that it
@@ -170,8 +129,6 @@ def segment_attention(q, k, v, mask, p=0.0, training=True, deterministic=False, 
         raise ValueError("segment_attention: q {}, k {}, v {} must be packed streams [1, heads, rows, d_head] with "
                          "matching heads, d_head and k/v rows".format(tuple(q.shape), tuple(k.shape), tuple(v.shape)))
     p = p if training else 0.0
-    if fused_fits(q, k, v, mask):
-        return dispatch.run(FusedSegmentAttention, q, k, v, mask, p)
     if varlen_fits(q, p, training, deterministic, exact_row_term):
         return _varlen_attention(q, k, v, mask)
     return blocks_attention(q, k, v, mask, p, training, deterministic, exact_row_term)

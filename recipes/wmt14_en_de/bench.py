@@ -78,9 +78,6 @@ SYSTEMS = {
                                     "--required-seq-len-multiple", "8"], "ls_fairseq.train"),
     "ls-bf16-packed-fcross-graphs": LS + (["--bf16", "--ls-packed", "--ls-flash-cross-attention", "--ls-cuda-graphs"],
                                           "ls_fairseq.train"),
-    # segments of up to 64 tokens through the fused attention kernel over the offsets
-    "ls-bf16-packed-fused-graphs": LS + (["--bf16", "--ls-packed", "--ls-packed-fused-attention", "--ls-cuda-graphs"],
-                                         "ls_fairseq.train"),
     "ls-bf16-fp8-packed": LS + (["--bf16", "--ls-fp8", "--ls-packed"], "ls_fairseq.train"),
     "ls-bf16-fp8-packed-graphs": LS + (["--bf16", "--ls-fp8", "--ls-packed", "--ls-cuda-graphs"], "ls_fairseq.train"),
     "ls-bf16": LS + (["--memory-efficient-bf16"], "ls_fairseq.train"),
