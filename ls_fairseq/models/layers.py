@@ -10,7 +10,7 @@ def _options(cfg, side, fp8):
 
 
 def _decoder_options(cfg, fp8):
-    return dict(_options(cfg, "decoder", fp8), exact_cross_attention=not getattr(cfg, "ls_flash_cross_attention", False))
+    return dict(_options(cfg, "decoder", fp8), exact_cross_attention=not cfg.ls_flash_cross_attention)
 
 
 class EncoderLayer(layers.EncoderLayer):

@@ -132,9 +132,11 @@ class SegmentMask:
     def segments(self):
         return self.q_offsets.numel() - 1
 
-    def tail(self, rows):
-        """Which of a query stream's ``rows`` rows lie past the last segment, bool [rows]."""
-        return torch.arange(rows, device=self.q_offsets.device) >= self.q_offsets[-1]
+    def tail(self, rows, keys=False):
+        """Which of the query stream's ``rows`` rows (``keys``: the key stream's) lie past the last segment,
+        bool [rows]."""
+        offsets = self.k_offsets if keys else self.q_offsets
+        return torch.arange(rows, device=offsets.device) >= offsets[-1]
 
     def blocks(self, nq):
         """(q_index, k_index [segments x max rows], key padding mask [segments, max_k], keyless [segments,

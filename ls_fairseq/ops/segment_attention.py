@@ -89,14 +89,9 @@ class _TailGradZeroed(torch.autograd.Function):
         return torch.where(tail[:, None, None], 0.0, grad), None
 
 
-def _past(offsets, rows):
-    """Which of a stream's ``rows`` rows lie past its last offset, bool [rows]."""
-    return torch.arange(rows, device=offsets.device) >= offsets[-1]
-
-
 def _varlen_attention(q, k, v, mask):
     causal = _causal_arguments(varlen_attn) if mask.causal else {}
-    q_tail, k_tail = _past(mask.q_offsets, q.shape[2]), _past(mask.k_offsets, k.shape[2])
+    q_tail, k_tail = mask.tail(q.shape[2]), mask.tail(k.shape[2], keys=True)
     q_rows, k_rows, v_rows = (dispatch.run(_TailGradZeroed, _rows(x), tail).contiguous()
                               for x, tail in ((q, q_tail), (k, k_tail), (v, k_tail)))
     rows = varlen_attn(q_rows, k_rows, v_rows, mask.q_offsets, mask.k_offsets, mask.max_q, mask.max_k, scale=1.0,
