@@ -138,3 +138,128 @@ def test_varlen_path_runs_where_it_fits():
     assert not seg.varlen_fits(q, 0.1, True, False, False)  # dropout
     assert not seg.varlen_fits(q, 0.0, True, True, False)  # deterministic
     assert not seg.varlen_fits(q, 0.0, True, False, True)  # the fp32 row term
+
+
+# The Triton path (--ls-packed-triton-attention): on the GPU, and on the CPU in Triton's interpreter
+# (conftest sets TRITON_INTERPRET=1 where no GPU is), which runs fp32 only.
+needs_triton = pytest.mark.skipif(seg._triton_kernels() is None, reason="triton is not installed")
+
+
+def triton_streams(generator, device, dtype, causal, H, D, segments, longest):
+    """Streams of ``segments`` segments over up to two tiles of rows: one of length 1, an empty one, one of
+    the longest, the others random; a tail past the last offset of each stream."""
+    def offsets(longest, tail):
+        lengths = torch.randint(0, longest + 1, (segments,), generator=generator)
+        lengths[0], lengths[1], lengths[-1] = 1, 0, longest
+        offsets = torch.zeros(segments + 1, dtype=torch.int32)
+        offsets[1:] = torch.cumsum(lengths, 0)
+        return offsets.to(device), int(offsets[-1]) + tail
+
+    q_offsets, nq = offsets(longest, 5)
+    k_offsets, nk = (q_offsets, nq) if causal else offsets(longest - 7, 3)
+    mask = ops.SegmentMask(q_offsets, k_offsets, longest, longest if causal else longest - 7, causal=causal,
+                           triton=True)
+    q, k, v = (torch.randn(1, n, H, D, generator=generator).to(device, dtype).transpose(1, 2) * 0.5
+               for n in (nq, nk, nk))
+    return q, k, v, mask
+
+
+def nan_empty(monkeypatch, device):
+    """Outputs that the kernels forget to write read as NaN: the caching allocator's free blocks filled
+    with NaN on the GPU, torch.empty giving NaN-filled tensors on the CPU."""
+    if device == "cuda":
+        from helpers import poison
+
+        poison()
+        return
+    empty = torch.empty
+
+    def filled(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", filled)
+
+
+@needs_triton
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("exact_row_term", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_path_against_block_diagonal_reference(dtype, device, causal, exact_row_term, p, request,
+                                                      monkeypatch):
+    """Random segments (one of length 1, one of the longest, some empty ones likely) over two tiles of
+    rows, a tail, token-major q/k/v views; forward and gradients against the fp64 oracle, with the
+    kernels' own keep-mask under dropout; every output element written, the tail rows exactly zero."""
+    if device == "cpu" and dtype in LOW_PRECISION:
+        pytest.skip("Triton's interpreter runs fp32")
+    generator = torch.Generator().manual_seed(request.node.ls_seed)
+    H, D = (2, 16) if device == "cpu" else (8, 64)
+    q, k, v, mask = triton_streams(generator, device, dtype, causal, H, D, segments=9, longest=45)
+    dout = torch.randn(q.shape, generator=generator).to(device)
+    assert seg.triton_runs(q, k, v, mask)
+    torch.manual_seed(request.node.ls_seed)
+    seed = torch.randint(2**62, (1,), device=device)
+    keep = seg._triton_kernels().keep_mask(q, k, mask, p, seed) if p > 0 else None
+
+    def kernels(*t):
+        torch.manual_seed(request.node.ls_seed)  # the same seed as keep's
+        return ops.attention(*t, mask, p, True, exact_row_term=exact_row_term)
+
+    nan_empty(monkeypatch, device)
+    got = run(kernels, q, k, v, dout, dtype)
+    monkeypatch.undo()
+    ref64 = run(lambda *t: seg.segment_attention_reference(*t, mask, p, True, keep), q, k, v, dout, torch.float64)
+    low = run(lambda *t: seg.segment_attention_reference(*t, mask, p, True, keep), q, k, v, dout, dtype)
+    assert got[0].transpose(1, 2).is_contiguous(), "the output is token-major (the out projection merges a view)"
+    for g, offsets in zip(got, (mask.q_offsets, mask.q_offsets, mask.k_offsets, mask.k_offsets)):
+        assert g[0][:, int(offsets[-1]):].eq(0).all(), "the tail rows are exactly zero"
+    for g, r64, lp, name in zip(got, ref64, low, ("out", "dq", "dk", "dv")):
+        check_kernel(g, r64, lp, name)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_keep_mask_drops_at_the_rate_and_only_inside_segments(device, request):
+    generator = torch.Generator().manual_seed(request.node.ls_seed)
+    q, k, v, mask = triton_streams(generator, device, torch.float32, False, 2, 16, segments=9, longest=45)
+    seed = torch.randint(2**62, (1,), generator=generator).to(device)
+    keep = seg._triton_kernels().keep_mask(q, k, mask, 0.25, seed)
+    q_seg = torch.searchsorted(mask.q_offsets[1:].long().cpu(), torch.arange(q.shape[2]), right=True)
+    k_seg = torch.searchsorted(mask.k_offsets[1:].long().cpu(), torch.arange(k.shape[2]), right=True)
+    same = (q_seg[:, None] == k_seg[None, :]) & (q_seg[:, None] < mask.segments)
+    keep = keep[0].cpu()
+    assert not keep[:, ~same].any(), "keep bits outside the segments"
+    rate = 1 - keep[:, same].float().mean().item()
+    assert abs(rate - 0.25) < 0.05, rate
+    again = seg._triton_kernels().keep_mask(q, k, mask, 0.25, seed)[0].cpu()
+    assert torch.equal(keep, again), "one seed, one mask"
+
+
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_triton_many_segments_bit_identical_runs_and_2x_rule(dtype, request):
+    """500 WMT-like segments (1-120 tokens) causal with dropout: two runs from one seed are
+    bit-identical (no atomics); without dropout the output and gradients meet the 2x rule."""
+    generator = torch.Generator().manual_seed(request.node.ls_seed)
+    lengths = torch.randint(1, 121, (500,), generator=generator)
+    offsets = torch.zeros(501, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    offsets = offsets.cuda()
+    n = int(offsets[-1]) + 13
+    mask = ops.SegmentMask(offsets, offsets, 120, 120, causal=True, triton=True)
+    q, k, v = (torch.randn(1, n, 16, 64, generator=generator).cuda().to(dtype).transpose(1, 2) for _ in range(3))
+    dout = torch.randn(q.shape, generator=generator).cuda()
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(request.node.ls_seed)
+        runs.append(run(lambda *t: ops.attention(*t, mask, 0.1, True, deterministic=True), q, k, v, dout, dtype))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    got = run(lambda *t: ops.attention(*t, mask), q, k, v, dout, dtype)
+    ref64 = run(lambda *t: seg.segment_attention_reference(*t, mask), q, k, v, dout, torch.float64)
+    low = run(lambda *t: seg.segment_attention_reference(*t, mask), q, k, v, dout, dtype)
+    for g, r64, lp, name in zip(got, ref64, low, ("out", "dq", "dk", "dv")):
+        check_kernel(g, r64, lp, name)

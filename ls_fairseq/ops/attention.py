@@ -114,9 +114,11 @@ class SegmentMask:
     (segment s: query rows q_offsets[s] .. q_offsets[s + 1], keys k_offsets[s] .. k_offsets[s + 1]);
     ``max_q``, ``max_k``: host ints at least every segment's length (a CUDA graph fixes them per
     stream capacity); ``causal``: a query sees the keys up to its own place (self-attention: q and k
-    the same stream). The blocks path's indices are made once per forward and shared by the layers."""
+    the same stream); ``triton``: segment_attention takes its Triton kernels (on CUDA; on the CPU under
+    Triton's interpreter) instead of varlen or the blocks path. The blocks path's indices are made once
+    per forward and shared by the layers."""
 
-    def __init__(self, q_offsets, k_offsets, max_q, max_k, causal=False):
+    def __init__(self, q_offsets, k_offsets, max_q, max_k, causal=False, triton=False):
         if q_offsets.dim() != 1 or q_offsets.shape != k_offsets.shape or q_offsets.numel() < 2:
             raise ValueError("SegmentMask: offsets {} and {} must be [segments + 1] each, with at least one segment"
                              .format(tuple(q_offsets.shape), tuple(k_offsets.shape)))
@@ -125,7 +127,7 @@ class SegmentMask:
         if causal and (q_offsets is not k_offsets or max_q != max_k):
             raise ValueError("SegmentMask: causal attention is self-attention: one stream's offsets for q and k")
         self.q_offsets, self.k_offsets = q_offsets, k_offsets
-        self.max_q, self.max_k, self.causal = int(max_q), int(max_k), causal
+        self.max_q, self.max_k, self.causal, self.triton = int(max_q), int(max_k), causal, triton
         self._blocks = {}
 
     @property

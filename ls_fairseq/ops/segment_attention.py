@@ -9,7 +9,13 @@ segment s (and, ``causal``, only those at or before its own place in the segment
 The output has q's shape, laid out as [1, Nq, heads, d_head] storage (so the out
 projection merges its heads as a view), with the tail rows exactly zero.
 
-Two paths:
+Three paths:
+- triton (opt-in, ``SegmentMask(triton=True)``, --ls-packed-triton-attention): ls's Triton kernels
+  (ls_fairseq/triton_kernels/segment_attention.py) read q, k and v by stride and the offsets, a
+  program per (segment, block of query rows, head), nothing padded or gathered, no atomics; dropout
+  (drawn again in the backward), ``deterministic`` (always) and the fp32 row term honoured. On
+  CUDA unless the op is forced onto its reference; on the CPU only under Triton's interpreter
+  (TRITON_INTERPRET=1, the tests). Wherever it does not run, the two paths below do;
 - blocks (every device; the CPU's path): each segment's rows are gathered into a
   block of ``max_q`` (``max_k``) rows, [segments, heads, max, d_head], and the
   blocks go through ``ops.attention`` with a key padding mask: its fused kernel, the
@@ -26,9 +32,12 @@ Two paths:
   leaves the tail rows of its output and of its gradients unwritten: they are set to
   zero here.
 ``LS_FAIRSEQ_REFERENCE=segment_attention`` keeps the GPU on the blocks path (SEGMENT_ATTENTION_ROUTE).
+Each path logs once, at its first call for each kind of attention, that it runs.
 """
 import functools
 import inspect
+import logging
+import os
 
 import torch
 
@@ -39,6 +48,63 @@ try:  # torch >= 2.10, CUDA only
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
     varlen_attn = None
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_path(path, kind):
+    logger.info("segment_attention: %s through the %s path", kind, path)
+
+
+def _kind(mask):
+    if mask.causal:
+        return "causal self-attention"
+    return "self-attention" if mask.q_offsets is mask.k_offsets else "cross-attention"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_kernels():
+    """The Triton kernels' module, imported at the first call that takes them (triton is imported only
+    then), or None where triton is not installed."""
+    try:
+        from ls_fairseq.triton_kernels import segment_attention as kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+def triton_runs(q, k, v, mask):
+    """Whether the Triton path runs: asked for (``mask.triton``), triton installed, CUDA tensors and the op
+    not forced onto its reference (or Triton's interpreter on, for CPU tensors), and shapes the kernels take."""
+    if not mask.triton:
+        return False
+    on_device = (q.is_cuda and not dispatch.forced_reference("segment_attention")) or (
+        not q.is_cuda and os.environ.get("TRITON_INTERPRET") == "1")
+    return on_device and _triton_kernels() is not None and _triton_kernels().fits(q, k, v, mask)
+
+
+class TritonSegmentAttention(torch.autograd.Function):
+    """The Triton kernels' attention: keeps q, k, v, the log-sum-exps, the dropout's seed (the backward
+    draws the keep-mask again) and, without the exact row term, the output (the out projection keeps it
+    anyway)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, p, exact_row_term):
+        kernels = _triton_kernels()
+        # torch's generator draws the seed (so --seed fixes it), on the device (so a CUDA graph draws anew)
+        seed = torch.randint(2**62, (1,), device=q.device) if p > 0 else mask.q_offsets
+        out, lse = kernels.forward(q, k, v, mask, p, seed)
+        ctx.save_for_backward(q, k, v, lse, seed, *(() if exact_row_term else (out,)))
+        ctx.mask, ctx.p, ctx.exact_row_term = mask, p, exact_row_term
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, lse, seed, *out = ctx.saved_tensors
+        dq, dk, dv = _triton_kernels().backward(dout, q, k, v, out[0] if out else None, lse, ctx.mask, ctx.p, seed,
+                                                ctx.exact_row_term)
+        return dq, dk, dv, None, None, None
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,8 +190,13 @@ def segment_attention(q, k, v, mask, p=0.0, training=True, deterministic=False, 
         raise ValueError("segment_attention: q {}, k {}, v {} must be packed streams [1, heads, rows, d_head] with "
                          "matching heads, d_head and k/v rows".format(tuple(q.shape), tuple(k.shape), tuple(v.shape)))
     p = p if training else 0.0
+    if triton_runs(q, k, v, mask):
+        _log_path("triton", _kind(mask))
+        return dispatch.run(TritonSegmentAttention, q, k, v, mask, p, exact_row_term)
     if varlen_fits(q, p, training, deterministic, exact_row_term):
+        _log_path("varlen", _kind(mask))
         return _varlen_attention(q, k, v, mask)
+    _log_path("blocks" if varlen_attn is not None else "blocks (this torch has no varlen_attn)", _kind(mask))
     return blocks_attention(q, k, v, mask, p, training, deterministic, exact_row_term)
 
 
