@@ -24,7 +24,7 @@ python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip setuptools wheel
 "$PY" -m pip install -q "$TORCH_SPEC"
-"$PY" -m pip install -q "numpy>=1.24" "cython>=3" ninja
+"$PY" -m pip install -q "numpy>=1.24,<2.4" "cython>=3" ninja
 "$PY" -m pip install -q -r requirements.txt
 # fairseq-fixed and ls_fairseq come last and without their declared dependencies (fairseq-fixed's
 # torchaudio is not needed and would pull a multi-GB CUDA torch): an install after them would
