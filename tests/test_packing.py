@@ -108,24 +108,48 @@ def test_sentence_average_and_ignored_prefix_count_as_padded(request):
     assert_same_step(padded, packed)
 
 
+class _JunkTailGradient(torch.autograd.Function):
+    """x as it is; the backward leaves the gradient's rows at ``tail`` as whatever the memory held (NaN
+    here), as FlashAttention's varlen backward does with dq, dk and dv."""
+
+    @staticmethod
+    def forward(ctx, x, tail):
+        ctx.tail = tail
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.masked_fill(ctx.tail[:, None, None], float("nan")), None
+
+
 def fake_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=None, window_size=(-1, -1)):
     """FlashAttention's contract on the CPU: real rows attended within their segments, the rows past
-    the last offset left as whatever the memory held (NaN here)."""
+    the last offset of the output and of the three gradients left as whatever the memory held (NaN here)."""
     assert scale == 1.0 and cu_seq_q.dtype == torch.int32 and query.is_contiguous()
     lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).max().item(), (cu_seq_k[1:] - cu_seq_k[:-1]).max().item()
     assert lengths[0] <= max_q and lengths[1] <= max_k
     mask = ops.SegmentMask(cu_seq_q, cu_seq_k, max_q, max_k, causal=window_size == (-1, 0))
+    q_tail, k_tail = mask.tail(query.shape[0]), mask.tail(key.shape[0], keys=True)
+    query, key, value = (_JunkTailGradient.apply(x, tail) for x, tail in ((query, q_tail), (key, k_tail),
+                                                                           (value, k_tail)))
     out = seg.segment_attention_reference(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
                                           value.transpose(0, 1)[None], mask)[0].transpose(0, 1)
-    return out.masked_fill(mask.tail(out.shape[0])[:, None, None], float("nan"))
+    return out.masked_fill(q_tail[:, None, None], float("nan"))
 
 
-def test_bucketed_step_with_junk_tail_equals_padded_step(monkeypatch, request):
+@pytest.mark.parametrize("attention", ["varlen", "triton"])
+def test_bucketed_step_with_junk_tail_equals_padded_step(attention, monkeypatch, request):
     """Stream capacities, segment counts and longest segments fixed larger than the batch needs (as
     for CUDA graphs), the tail tokens random words instead of padding, and the attention of the
-    varlen path (FlashAttention's contract, NaN in the rows it does not write): the same loss and
-    gradients as the padded step."""
+    varlen path (FlashAttention's contract, NaN in the rows of the output and the gradients it does not
+    write) or of the Triton kernels (--ls-packed-triton-attention, in Triton's interpreter): the same
+    loss and gradients as the padded step."""
+    if attention == "triton" and not seg.triton_runs(*[torch.zeros(1, 1, 1, 16)] * 3,
+                                                    ops.SegmentMask(torch.tensor([0, 1]), torch.tensor([0, 1]), 1, 1,
+                                                                    triton=True)):
+        pytest.skip("the Triton kernels need triton and, on the CPU, its interpreter (TRITON_INTERPRET=1)")
     model, task = build(**VARIANTS["pre-ln gelu learned"])
+    model.packed_triton_attention = attention == "triton"
     criterion = LSLabelSmoothedCrossEntropyCriterion(task, False, 0.1)
     generator = torch.Generator().manual_seed(request.node.ls_seed)
     sample = collate(task, [9, 3, 7, 1, 12], [7, 5, 1, 8, 4], generator)
@@ -136,8 +160,9 @@ def test_bucketed_step_with_junk_tail_equals_padded_step(monkeypatch, request):
     for key in ("src_tokens", "prev_output_tokens"):
         tail = net[key].eq(1)
         net[key] = torch.where(tail, torch.randint(4, 40, tail.shape, generator=generator), net[key])
-    monkeypatch.setattr(seg, "varlen_fits", lambda *args: True)
-    monkeypatch.setattr(seg, "varlen_attn", fake_varlen)
+    if attention == "varlen":
+        monkeypatch.setattr(seg, "varlen_fits", lambda *args: True)
+        monkeypatch.setattr(seg, "varlen_attn", fake_varlen)
     assert_same_step(step(model, criterion, sample), step(model, criterion, packed))
 
 
