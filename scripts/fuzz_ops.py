@@ -40,7 +40,7 @@ from helpers import kernel_error, poison, rel_error  # noqa: E402 (the tests' ru
 
 from ls_fairseq import ops  # noqa: E402
 from ls_fairseq.ops import adam as adam_op  # noqa: E402
-from ls_fairseq.ops import dispatch  # noqa: E402
+from ls_fairseq.ops import dispatch, segment_attention  # noqa: E402
 from ls_fairseq.ops.beam_advance import STATE as BEAM_STATE  # noqa: E402
 from ls_fairseq.ops.beam_advance import beam_advance, beam_advance_reference  # noqa: E402
 from ls_fairseq.ops.beam_select import beam_select, beam_select_reference  # noqa: E402
@@ -315,8 +315,12 @@ def case_attention(c):
 
 def case_segment_attention(c):
     """Packed streams (--ls-packed): segments of random lengths (empty ones and ones of length 1 too) and
-    a tail past the last offset, causal self-attention or cross-attention, without dropout (varlen's
-    FlashAttention where it fits on the GPU, else the blocks path), against the block-diagonal oracle."""
+    a tail past the last offset, causal self-attention or cross-attention, against the block-diagonal
+    oracle. The path: the Triton kernels (``triton``, on the GPU; on the CPU under TRITON_INTERPRET=1),
+    else varlen's FlashAttention where it fits on the GPU, else the blocks path; ``deterministic`` and
+    ``exact_row_term`` as the layers pass them; q, k and v ``strided`` as views of one fused projection's
+    output (as split_heads gives them) or of streams of their own; dropout where the kernels' keep-mask
+    is known to the oracle (the Triton path)."""
     dtype = c.dtype(("fp16", "bf16") if c.device != "cpu" else ("fp32",))
     causal = c.pick("causal", (False, True))
     H, D = c.dim(16, (4, 8, 16)), c.pick("D", (32, 64, 128))
@@ -337,20 +341,45 @@ def case_segment_attention(c):
     else:
         longest_k = max(2, c.dim(max(1, min(512, c.max_elements // (segments * H * D) or 1)), (1, 33, 64)))
         k_offsets, nk = stream(longest_k)
+    triton = c.pick("triton", (False, True))
+    deterministic, exact_row_term = c.pick("deterministic", (False, True)), c.pick("exact_row_term", (False, True))
+    strided = c.pick("strided", (False, True))
     c.params.update(segments=segments, H=H, nq=nq, nk=nk, longest_q=longest_q, longest_k=longest_k)
-    mask = ops.SegmentMask(q_offsets, k_offsets, longest_q, longest_k, causal=causal)
-    q, k, v = (c.tensor((1, n, H, D), dtype, scale=D**-0.5 if n == nq else 1.0).transpose(1, 2) for n in (nq, nk, nk))
+    mask = ops.SegmentMask(q_offsets, k_offsets, longest_q, longest_k, causal=causal, triton=triton)
+    if strided and causal:  # q, k, v: views of one [rows, 3, heads, d_head] projection output
+        fused = c.tensor((1, nq, 3, H, D), dtype)
+        q, k, v = (fused[:, :, i].transpose(1, 2) for i in range(3))
+    elif strided:  # q a stream of its own, k and v views of one [rows, 2, heads, d_head] output
+        q = c.tensor((1, nq, H, D), dtype, scale=D**-0.5).transpose(1, 2)
+        fused = c.tensor((1, nk, 2, H, D), dtype)
+        k, v = (fused[:, :, i].transpose(1, 2) for i in range(2))
+    else:
+        q, k, v = (c.tensor((1, n, H, D), dtype, scale=D**-0.5 if n == nq else 1.0).transpose(1, 2)
+                   for n in (nq, nk, nk))
     dout = c.tensor((1, nq, H, D), dtype).transpose(1, 2)
+    p = c.pick("dropout", (0.0, 0.1)) if segment_attention.triton_runs(q, k, v, mask) else 0.0
+    c.params.update(path="triton" if segment_attention.triton_runs(q, k, v, mask) else "varlen or blocks", p=p)
+    seed = c.rng.randint(0, 2**62)
+    keep = None
+    if p > 0:
+        torch.manual_seed(seed)
+        keep = segment_attention._triton_kernels().keep_mask(q, k, mask, p, torch.randint(2**62, (1,), device=c.device))
 
     def run(fn, dt):
         leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
-        o = fn(*leaves, mask)
+        o = fn(*leaves)
         return (o,) + torch.autograd.grad(o, leaves, dout.to(dt))
 
+    def kernels(q, k, v):
+        torch.manual_seed(seed)  # the seed the keep-mask was drawn with
+        return ops.attention(q, k, v, mask, p, True, deterministic, exact_row_term)
+
+    def oracle(q, k, v):
+        return segment_attention_reference(q, k, v, mask, p, True, keep)
+
     fill_free_memory(c)
-    got = run(ops.attention, dtype)
-    for g, r64, low, name in zip(got, run(segment_attention_reference, torch.float64),
-                                 run(segment_attention_reference, dtype), ("out", "dq", "dk", "dv")):
+    got = run(kernels, dtype)
+    for g, r64, low, name in zip(got, run(oracle, torch.float64), run(oracle, dtype), ("out", "dq", "dk", "dv")):
         c.kernel(name, g, r64, low)
 
 
