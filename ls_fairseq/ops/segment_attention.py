@@ -13,7 +13,7 @@ Three paths:
 - triton (opt-in, ``SegmentMask(triton=True)``, --ls-packed-triton-attention): ls's Triton kernels
   (ls_fairseq/triton_kernels/segment_attention.py) read q, k and v by stride and the offsets, a
   program per (segment, block of query rows, head), nothing padded or gathered, no atomics; dropout
-  (drawn again in the backward), ``deterministic`` (always) and the fp32 row term honoured. On
+  (drawn again in the backward), ``deterministic`` and the fp32 row term always. On
   CUDA unless the op is forced onto its reference; on the CPU only under Triton's interpreter
   (TRITON_INTERPRET=1, the tests). Wherever it does not run, the two paths below do;
 - blocks (every device; the CPU's path): each segment's rows are gathered into a
@@ -85,26 +85,23 @@ def triton_runs(q, k, v, mask):
 
 
 class TritonSegmentAttention(torch.autograd.Function):
-    """The Triton kernels' attention: keeps q, k, v, the log-sum-exps, the dropout's seed (the backward
-    draws the keep-mask again) and, without the exact row term, the output (the out projection keeps it
-    anyway)."""
+    """The Triton kernels' attention: keeps q, k, v, the log-sum-exps and the dropout's seed (the backward
+    draws the keep-mask again). Its backward always forms the fp32 row term (exact_row_term's)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, p, exact_row_term):
-        kernels = _triton_kernels()
+    def forward(ctx, q, k, v, mask, p):
         # torch's generator draws the seed (so --seed fixes it), on the device (so a CUDA graph draws anew)
         seed = torch.randint(2**62, (1,), device=q.device) if p > 0 else mask.q_offsets
-        out, lse = kernels.forward(q, k, v, mask, p, seed)
-        ctx.save_for_backward(q, k, v, lse, seed, *(() if exact_row_term else (out,)))
-        ctx.mask, ctx.p, ctx.exact_row_term = mask, p, exact_row_term
+        out, lse = _triton_kernels().forward(q, k, v, mask, p, seed)
+        ctx.save_for_backward(q, k, v, lse, seed)
+        ctx.mask, ctx.p = mask, p
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, lse, seed, *out = ctx.saved_tensors
-        dq, dk, dv = _triton_kernels().backward(dout, q, k, v, out[0] if out else None, lse, ctx.mask, ctx.p, seed,
-                                                ctx.exact_row_term)
-        return dq, dk, dv, None, None, None
+        q, k, v, lse, seed = ctx.saved_tensors
+        dq, dk, dv = _triton_kernels().backward(dout, q, k, v, lse, ctx.mask, ctx.p, seed)
+        return dq, dk, dv, None, None
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,7 +189,7 @@ def segment_attention(q, k, v, mask, p=0.0, training=True, deterministic=False, 
     p = p if training else 0.0
     if triton_runs(q, k, v, mask):
         _log_path("triton", _kind(mask))
-        return dispatch.run(TritonSegmentAttention, q, k, v, mask, p, exact_row_term)
+        return dispatch.run(TritonSegmentAttention, q, k, v, mask, p)
     if varlen_fits(q, p, training, deterministic, exact_row_term):
         _log_path("varlen", _kind(mask))
         return _varlen_attention(q, k, v, mask)

@@ -15,10 +15,11 @@ the dk/dv kernel its key rows, so results are bit-identical run to run (--ls-det
 needs nothing more). The tail rows past the last offset are written as zeros by the programs of
 a last, extra "segment", in the same launch.
 
-The softmax's row term D_i = sum_j P_ij dP_ij is formed, with ``exact_row_term``, from the fp32
-probabilities and dP in a first pass of the dq kernel (as ls's fused attention kernel and stock
-fairseq's fp32 probabilities do); otherwise as rowsum(dO * O) from the 16-bit output, as
-FlashAttention does.
+The softmax's row term D_i = sum_j P_ij dP_ij is formed from the fp32 probabilities and dP in a
+first pass of the dq kernel (as ls's fused attention kernel and stock fairseq's fp32 probabilities
+do), never as FlashAttention's rowsum(dO * O) from the 16-bit output: on an H100 the pass cost
+nothing measurable (the kernels are bound by memory), and the 16-bit row term failed the 2x rule on
+dq and dk (ratio up to 1.73) for short sentences with dropout (docs/perf-log.md, 2026-12-06).
 
 With TRITON_INTERPRET=1 in the environment before triton is imported (the tests' conftest sets it
 where no GPU is), Triton's interpreter runs these kernels on CPU tensors, so the CPU tests check the
@@ -31,7 +32,7 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NQ", "S", "MAXK"])
 def _fwd(Q, K, V, O, LSE, QOFF, KOFF, SEED,
          sqh, sqn, skh, skn, svh, svn,
          NQ, S, MAXK, p_drop, drop_scale,
@@ -91,12 +92,12 @@ def _fwd(Q, K, V, O, LSE, QOFF, KOFF, SEED,
             tl.store(LSE + h * NQ + q0 + rows, lse, mask=rmask)
 
 
-@triton.jit
-def _bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, QOFF, KOFF, SEED,
+@triton.jit(do_not_specialize=["NQ", "S", "MAXK"])
+def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QOFF, KOFF, SEED,
             sqh, sqn, skh, skn, svh, svn, sdoh, sdon,
             NQ, S, MAXK, p_drop, drop_scale,
             H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, EXACT: tl.constexpr, PREC: tl.constexpr):
+            CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
     s = tl.program_id(0)
     mb = tl.program_id(1)
     h = tl.program_id(2)
@@ -120,26 +121,22 @@ def _bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, QOFF, KOFF, SEED,
             end = k_len
             if CAUSAL:
                 end = tl.minimum(k_len, (mb + 1) * BM)
-            if EXACT:  # the row term from the fp32 probabilities and dP: a first pass over the keys
-                delta = tl.zeros([BM], tl.float32)
-                for n0 in range(0, end, BN):
-                    cols = n0 + tl.arange(0, BN)
-                    cmask = cols < k_len
-                    k = tl.load(K + h * skh + (k0 + cols)[:, None] * skn + d[None, :], mask=cmask[:, None], other=0.0)
-                    v = tl.load(V + h * svh + (k0 + cols)[:, None] * svn + d[None, :], mask=cmask[:, None], other=0.0)
-                    seen = cmask[None, :] & rmask[:, None]
-                    if CAUSAL:
-                        seen = seen & (cols[None, :] <= rows[:, None])
-                    p = tl.where(seen, tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * LOG2E - lse[:, None]),
-                                 0.0)
-                    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-                    if DROPOUT:
-                        keep = tl.rand(tl.load(SEED), (h * NQ + q0 + rows)[:, None] * MAXK + cols[None, :]) >= p_drop
-                        dp = tl.where(keep, dp * drop_scale, 0.0)
-                    delta += tl.sum(p * dp, 1)
-            else:
-                o = tl.load(O + (q0 + rows)[:, None] * (H * D) + h * D + d[None, :], mask=rmask[:, None], other=0.0)
-                delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+            # the row term from the fp32 probabilities and dP: a first pass over the keys
+            delta = tl.zeros([BM], tl.float32)
+            for n0 in range(0, end, BN):
+                cols = n0 + tl.arange(0, BN)
+                cmask = cols < k_len
+                k = tl.load(K + h * skh + (k0 + cols)[:, None] * skn + d[None, :], mask=cmask[:, None], other=0.0)
+                v = tl.load(V + h * svh + (k0 + cols)[:, None] * svn + d[None, :], mask=cmask[:, None], other=0.0)
+                seen = cmask[None, :] & rmask[:, None]
+                if CAUSAL:
+                    seen = seen & (cols[None, :] <= rows[:, None])
+                p = tl.where(seen, tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * LOG2E - lse[:, None]), 0.0)
+                dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+                if DROPOUT:
+                    keep = tl.rand(tl.load(SEED), (h * NQ + q0 + rows)[:, None] * MAXK + cols[None, :]) >= p_drop
+                    dp = tl.where(keep, dp * drop_scale, 0.0)
+                delta += tl.sum(p * dp, 1)
             tl.store(DELTA + h * NQ + q0 + rows, delta, mask=rmask)
             dq = tl.zeros([BM, D], tl.float32)
             for n0 in range(0, end, BN):
@@ -161,7 +158,7 @@ def _bwd_dq(Q, K, V, O, DO, DQ, LSE, DELTA, QOFF, KOFF, SEED,
                      mask=rmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NQ", "NK", "S", "MAXK"])
 def _bwd_dkv(Q, K, V, DO, DK, DV, LSE, DELTA, QOFF, KOFF, SEED,
              sqh, sqn, skh, skn, svh, svn, sdoh, sdon,
              NQ, NK, S, MAXK, p_drop, drop_scale,
@@ -284,9 +281,8 @@ def forward(q, k, v, mask, p, seed, block=None):
     return out.unsqueeze(0).transpose(1, 2), lse
 
 
-def backward(dout, q, k, v, out, lse, mask, p, seed, exact_row_term, block=None):
-    """(dq, dk, dv), each [1, heads, rows, d_head] of token-major storage, the tail rows zero;
-    ``out`` the forward's output (read only without ``exact_row_term``; else may be None)."""
+def backward(dout, q, k, v, lse, mask, p, seed, block=None):
+    """(dq, dk, dv), each [1, heads, rows, d_head] of token-major storage, the tail rows zero."""
     H, NQ, D, S, B, constants = _common(q, mask, block)
     NK = k.shape[2]
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
@@ -298,8 +294,8 @@ def backward(dout, q, k, v, out, lse, mask, p, seed, exact_row_term, block=None)
                dout.stride(1), dout.stride(2))
     dropout = _dropout_arguments(p)
     _launch(_bwd_dq, (S + 1, triton.cdiv(mask.max_q, B), H),
-            q, k, v, q if out is None else out, dout, dq, lse, delta, mask.q_offsets, mask.k_offsets, seed, *strides,
-            NQ, S, mask.max_k, *dropout, DROPOUT=p > 0, EXACT=bool(exact_row_term), **constants)
+            q, k, v, dout, dq, lse, delta, mask.q_offsets, mask.k_offsets, seed, *strides,
+            NQ, S, mask.max_k, *dropout, DROPOUT=p > 0, **constants)
     _launch(_bwd_dkv, (S + 1, triton.cdiv(mask.max_k, B), H),
             q, k, v, dout, dk, dv, lse, delta, mask.q_offsets, mask.k_offsets, seed, *strides,
             NQ, NK, S, mask.max_k, *dropout, DROPOUT=p > 0, **constants)
