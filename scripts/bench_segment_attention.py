@@ -2,7 +2,8 @@
 16,384 tokens of WMT-like sentences (lengths drawn log-normal around 27 tokens, 1 to 250): the
 Triton kernels (32- and 64-row tiles, with and without the exact row term), torch's varlen
 FlashAttention, and what the padded step runs on the same sentences (ops.attention on [B, heads, T,
-d_head] padded to a multiple of 8). Median of triton.testing.do_bench (CUDA events), in ms.
+d_head], the sentences sorted by length into 8 batches, each padded to a multiple of 8: the sum of
+the 8 calls). Median of triton.testing.do_bench (CUDA events), in ms.
 
     python3 scripts/bench_segment_attention.py [--tokens 16384] [--seed 1]
 """
@@ -41,10 +42,8 @@ def main():
     capacity = (n + 15) // 16 * 16
     offsets = offsets.cuda()
     longest = int(lengths.max())
-    padded_len = (longest + 7) // 8 * 8
     B = len(lengths)
-    print("{} sentences, {} tokens (capacity {}), longest {}, mean {:.1f}; padded [{} x {}] = {} rows ({:.1f}% padding)"
-          .format(B, n, capacity, longest, n / B, B, padded_len, B * padded_len, 100 * (1 - n / (B * padded_len))))
+    print("{} sentences, {} tokens (capacity {}), longest {}, mean {:.1f}".format(B, n, capacity, longest, n / B))
 
     def stream(rows):
         return torch.randn(1, rows, H, D, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
@@ -80,13 +79,20 @@ def main():
                     if triton_mask:
                         kernels.block_rows = original
                 rows.append((kind, label + ("" if block is None else " ({} rows)".format(block)), fwd, both))
-        # the padded step's attention on the same sentences
-        kpm = torch.arange(padded_len)[None, :] >= lengths[:, None]
-        mask = ops.AttentionMask(kpm.cuda(), causal=causal, right_padded=True)
-        qp, kp, vp = (torch.randn(B, padded_len, H, D, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
-                      for _ in range(3))
-        for label, exact in (("padded ops.attention", False), ("padded ops.attention exact row term", True)):
-            fwd, both = timed(lambda q, k, v: ops.attention(q, k, v, mask, 0.0, True, exact_row_term=exact), qp, kp, vp)
+        # the padded step's attention on the same sentences as fairseq batches them: sorted by length and
+        # cut into 8 batches, each padded to its own longest sentence (a multiple of 8); the sum of the 8
+        ordered = lengths.sort().values
+        for label, exact in (("padded ops.attention, 8 length-sorted batches", False),
+                             ("padded ops.attention, 8 length-sorted batches, exact row term", True)):
+            fwd = both = 0.0
+            for part in ordered.chunk(8):
+                T = (int(part.max()) + 7) // 8 * 8
+                kpm = torch.arange(T)[None, :] >= part[:, None]
+                mask = ops.AttentionMask(kpm.cuda(), causal=causal, right_padded=True)
+                qp, kp, vp = (torch.randn(len(part), T, H, D, device="cuda", dtype=dtype).transpose(1, 2)
+                              .requires_grad_() for _ in range(3))
+                f, b = timed(lambda q, k, v: ops.attention(q, k, v, mask, 0.0, True, exact_row_term=exact), qp, kp, vp)
+                fwd, both = fwd + f, both + b
             rows.append((kind, label, fwd, both))
     print("| attention | path | forward ms | forward + backward ms |")
     print("| --- | --- | --- | --- |")
