@@ -1,6 +1,6 @@
 """segment_attention's paths on one GPU, forward + backward, transformer-big's heads (16 x 64), about
 16,384 tokens of WMT-like sentences (lengths drawn log-normal around 27 tokens, 1 to 250): the
-Triton kernels (32- and 64-row tiles, with and without the exact row term), torch's varlen
+Triton kernels (32- and 64-row tiles, the one-kernel backward of short segments or not), torch's varlen
 FlashAttention, and what the padded step runs on the same sentences (ops.attention on [B, heads, T,
 d_head], the sentences sorted by length into 8 batches, each padded to a multiple of 8: the sum of
 the 8 calls). Median of triton.testing.do_bench (CUDA events), in ms.
@@ -63,22 +63,24 @@ def main():
     for causal in (True, False):
         kind = "causal self" if causal else "self/cross"
         q, k, v = stream(capacity), stream(capacity), stream(capacity)
-        for label, triton_mask, p, exact in (("triton", True, 0.0, False), ("triton exact row term", True, 0.0, True),
-                                             ("triton dropout 0.1", True, 0.1, True),
+        for label, triton_mask, p, exact in (("triton", True, 0.0, True), ("triton dropout 0.1", True, 0.1, True),
                                              ("varlen FlashAttention", False, 0.0, False)):
             mask = ops.SegmentMask(offsets, offsets, longest, longest, causal=causal, triton=triton_mask)
             if not triton_mask and not seg.varlen_fits(q, p, True, False, exact):
                 continue
-            for block in ((32, 64) if triton_mask else (None,)):
+            for block, short in (((32, False), (64, False), (32, True), (64, True)) if triton_mask else ((None, False),)):
                 if triton_mask:
                     original = kernels.block_rows
                     kernels.block_rows = lambda rows, segments, b=block: b
+                    kernels.SHORT_BACKWARD = short
                 try:
                     fwd, both = timed(lambda q, k, v: ops.attention(q, k, v, mask, p, True, exact_row_term=exact), q, k, v)
                 finally:
                     if triton_mask:
                         kernels.block_rows = original
-                rows.append((kind, label + ("" if block is None else " ({} rows)".format(block)), fwd, both))
+                        kernels.SHORT_BACKWARD = False
+                rows.append((kind, label + ("" if block is None else " ({} rows{})".format(
+                    block, ", one-kernel backward of short segments" if short else "")), fwd, both))
         # the padded step's attention on the same sentences as fairseq batches them: sorted by length and
         # cut into 8 batches, each padded to its own longest sentence (a multiple of 8); the sum of the 8
         ordered = lengths.sort().values

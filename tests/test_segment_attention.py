@@ -182,18 +182,22 @@ def nan_empty(monkeypatch, device):
 
 
 @needs_triton
+@pytest.mark.parametrize("short_backward", [False, True])
 @pytest.mark.parametrize("p", [0.0, 0.3])
 @pytest.mark.parametrize("exact_row_term", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_triton_path_against_block_diagonal_reference(dtype, device, causal, exact_row_term, p, request,
-                                                      monkeypatch):
-    """Random segments (one of length 1, one of the longest, some empty ones likely) over two tiles of
-    rows, a tail, token-major q/k/v views; forward and gradients against the fp64 oracle, with the
-    kernels' own keep-mask under dropout; every output element written, the tail rows exactly zero."""
+def test_triton_path_against_block_diagonal_reference(dtype, device, causal, exact_row_term, p, short_backward,
+                                                      request, monkeypatch):
+    """Random segments (one of length 1, an empty one, one of the longest) over two tiles of rows, a
+    tail, token-major q/k/v views; forward and gradients against the fp64 oracle, with the kernels' own
+    keep-mask under dropout; every output element written, the tail rows exactly zero. ``short_backward``:
+    the segments within one tile take the one-kernel backward (SHORT_BACKWARD), the others the two."""
     if device == "cpu" and dtype in LOW_PRECISION:
         pytest.skip("Triton's interpreter runs fp32")
+    kernels_module = seg._triton_kernels()
+    short_was = kernels_module.SHORT_BACKWARD
     generator = torch.Generator().manual_seed(request.node.ls_seed)
     H, D = (2, 16) if device == "cpu" else (8, 64)
     q, k, v, mask = triton_streams(generator, device, dtype, causal, H, D, segments=9, longest=45)
@@ -208,7 +212,11 @@ def test_triton_path_against_block_diagonal_reference(dtype, device, causal, exa
         return ops.attention(*t, mask, p, True, exact_row_term=exact_row_term)
 
     nan_empty(monkeypatch, device)
-    got = run(kernels, q, k, v, dout, dtype)
+    kernels_module.SHORT_BACKWARD = short_backward
+    try:
+        got = run(kernels, q, k, v, dout, dtype)
+    finally:
+        kernels_module.SHORT_BACKWARD = short_was
     monkeypatch.undo()
     ref64 = run(lambda *t: seg.segment_attention_reference(*t, mask, p, True, keep), q, k, v, dout, torch.float64)
     low = run(lambda *t: seg.segment_attention_reference(*t, mask, p, True, keep), q, k, v, dout, dtype)

@@ -25,6 +25,8 @@ With TRITON_INTERPRET=1 in the environment before triton is imported (the tests'
 where no GPU is), Triton's interpreter runs these kernels on CPU tensors, so the CPU tests check the
 very code the GPU runs.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -97,7 +99,7 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QOFF, KOFF, SEED,
             sqh, sqn, skh, skn, svh, svn, sdoh, sdon,
             NQ, S, MAXK, p_drop, drop_scale,
             H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+            CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, SHORT: tl.constexpr):
     s = tl.program_id(0)
     mb = tl.program_id(1)
     h = tl.program_id(2)
@@ -112,7 +114,10 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QOFF, KOFF, SEED,
         q_len = tl.load(QOFF + s + 1) - q0
         k0 = tl.load(KOFF + s)
         k_len = tl.load(KOFF + s + 1) - k0
-        if mb * BM < q_len:
+        todo = q_len
+        if SHORT:  # segments within one tile each way are _bwd_short's
+            todo = tl.where((q_len <= BM) & (k_len <= BN), 0, q_len)
+        if mb * BM < todo:
             rows = mb * BM + tl.arange(0, BM)
             rmask = rows < q_len
             q = tl.load(Q + h * sqh + (q0 + rows)[:, None] * sqn + d[None, :], mask=rmask[:, None], other=0.0)
@@ -163,7 +168,7 @@ def _bwd_dkv(Q, K, V, DO, DK, DV, LSE, DELTA, QOFF, KOFF, SEED,
              sqh, sqn, skh, skn, svh, svn, sdoh, sdon,
              NQ, NK, S, MAXK, p_drop, drop_scale,
              H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+             CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, SHORT: tl.constexpr):
     s = tl.program_id(0)
     nb = tl.program_id(1)
     h = tl.program_id(2)
@@ -179,7 +184,10 @@ def _bwd_dkv(Q, K, V, DO, DK, DV, LSE, DELTA, QOFF, KOFF, SEED,
         q_len = tl.load(QOFF + s + 1) - q0
         k0 = tl.load(KOFF + s)
         k_len = tl.load(KOFF + s + 1) - k0
-        if nb * BN < k_len:
+        todo = k_len
+        if SHORT:
+            todo = tl.where((q_len <= BM) & (k_len <= BN), 0, k_len)
+        if nb * BN < todo:
             cols = nb * BN + tl.arange(0, BN)
             cmask = cols < k_len
             k = tl.load(K + h * skh + (k0 + cols)[:, None] * skn + d[None, :], mask=cmask[:, None], other=0.0)
@@ -215,6 +223,53 @@ def _bwd_dkv(Q, K, V, DO, DK, DV, LSE, DELTA, QOFF, KOFF, SEED,
             tl.store(DV + at, dv.to(DV.dtype.element_ty), mask=cmask[:, None])
 
 
+@triton.jit(do_not_specialize=["NQ", "S", "MAXK"])
+def _bwd_short(Q, K, V, DO, DQ, DK, DV, LSE, QOFF, KOFF, SEED,
+               sqh, sqn, skh, skn, svh, svn, sdoh, sdon,
+               NQ, S, MAXK, p_drop, drop_scale,
+               H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+    """The whole backward of a segment whose queries and keys fit one tile each (ByteTransformer's and
+    MLPerf BERT's short-row attention): a program per (segment, head) computes the probabilities and dP
+    once and gives dq, dk and dv from them, where the two kernels above compute them three times."""
+    s = tl.program_id(0)
+    h = tl.program_id(2)
+    d = tl.arange(0, D)
+    q0 = tl.load(QOFF + s)
+    q_len = tl.load(QOFF + s + 1) - q0
+    k0 = tl.load(KOFF + s)
+    k_len = tl.load(KOFF + s + 1) - k0
+    if (q_len <= BM) & (k_len <= BN):
+        rows = tl.arange(0, BM)
+        cols = tl.arange(0, BN)
+        rmask = rows < q_len
+        cmask = cols < k_len
+        q = tl.load(Q + h * sqh + (q0 + rows)[:, None] * sqn + d[None, :], mask=rmask[:, None], other=0.0)
+        do = tl.load(DO + h * sdoh + (q0 + rows)[:, None] * sdon + d[None, :], mask=rmask[:, None], other=0.0)
+        k = tl.load(K + h * skh + (k0 + cols)[:, None] * skn + d[None, :], mask=cmask[:, None], other=0.0)
+        v = tl.load(V + h * svh + (k0 + cols)[:, None] * svn + d[None, :], mask=cmask[:, None], other=0.0)
+        lse = tl.load(LSE + h * NQ + q0 + rows, mask=rmask, other=float("inf"))
+        seen = cmask[None, :] & rmask[:, None]
+        if CAUSAL:
+            seen = seen & (cols[None, :] <= rows[:, None])
+        p = tl.where(seen, tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * LOG2E - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        kept = p
+        if DROPOUT:
+            keep = tl.rand(tl.load(SEED), (h * NQ + q0 + rows)[:, None] * MAXK + cols[None, :]) >= p_drop
+            kept = tl.where(keep, p * drop_scale, 0.0)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        ds = p * (dp - tl.sum(p * dp, 1)[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+        dv = tl.dot(tl.trans(kept.to(do.dtype)), do, input_precision=PREC)
+        tl.store(DQ + (q0 + rows)[:, None] * (H * D) + h * D + d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=rmask[:, None])
+        at = (k0 + cols)[:, None] * (H * D) + h * D + d[None, :]
+        tl.store(DK + at, dk.to(DK.dtype.element_ty), mask=cmask[:, None])
+        tl.store(DV + at, dv.to(DV.dtype.element_ty), mask=cmask[:, None])
+
+
 @triton.jit
 def _keep(KEEP, QOFF, KOFF, SEED, NQ, NK, S, MAXK, p_drop, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """The keep-mask [heads, NQ, NK] (bytes) the kernels draw, for the tests' oracle: a program per
@@ -232,6 +287,12 @@ def _keep(KEEP, QOFF, KOFF, SEED, NQ, NK, S, MAXK, p_drop, H: tl.constexpr, BM: 
         keep = tl.rand(tl.load(SEED), (h * NQ + q0 + rows)[:, None] * MAXK + cols[None, :]) >= p_drop
         tl.store(KEEP + (h * NQ + q0 + rows)[:, None] * NK + k0 + cols[None, :], keep.to(tl.int8),
                  mask=(rows < q_len)[:, None] & (cols < k_len)[None, :])
+
+
+# Experimental, not yet run on a GPU: segments within one tile each way take _bwd_short (one kernel,
+# the probabilities computed once) instead of the dq and dk/dv kernels. LS_FAIRSEQ_TRITON_SHORT_BACKWARD=1
+# turns it on.
+SHORT_BACKWARD = os.environ.get("LS_FAIRSEQ_TRITON_SHORT_BACKWARD") == "1"
 
 
 def block_rows(rows, segments):
@@ -293,12 +354,16 @@ def backward(dout, q, k, v, lse, mask, p, seed, block=None):
     strides = (q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
                dout.stride(1), dout.stride(2))
     dropout = _dropout_arguments(p)
+    short = SHORT_BACKWARD
+    if short:
+        _launch(_bwd_short, (S, 1, H), q, k, v, dout, dq, dk, dv, lse, mask.q_offsets, mask.k_offsets, seed,
+                *strides, NQ, S, mask.max_k, *dropout, DROPOUT=p > 0, **constants)
     _launch(_bwd_dq, (S + 1, triton.cdiv(mask.max_q, B), H),
             q, k, v, dout, dq, lse, delta, mask.q_offsets, mask.k_offsets, seed, *strides,
-            NQ, S, mask.max_k, *dropout, DROPOUT=p > 0, **constants)
+            NQ, S, mask.max_k, *dropout, DROPOUT=p > 0, SHORT=short, **constants)
     _launch(_bwd_dkv, (S + 1, triton.cdiv(mask.max_k, B), H),
             q, k, v, dout, dk, dv, lse, delta, mask.q_offsets, mask.k_offsets, seed, *strides,
-            NQ, NK, S, mask.max_k, *dropout, DROPOUT=p > 0, **constants)
+            NQ, NK, S, mask.max_k, *dropout, DROPOUT=p > 0, SHORT=short, **constants)
     return tuple(g.unsqueeze(0).transpose(1, 2) for g in (dq, dk, dv))
 
 
