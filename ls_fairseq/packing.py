@@ -165,11 +165,11 @@ def pack_sample(sample, pad, buckets=None):
 class Packed:
     """A packed batch's streams as the layers see them (from pack_sample's net_input entries): each side's positions
     and longest sentence, and the masks of the encoder's and the decoder's self-attention and of the
-    cross-attention, shared by every layer; ``triton``: the masks send segment attention to the Triton
-    kernels (--ls-packed-triton-attention)."""
+    cross-attention, shared by every layer; ``triton``: the masks send segment attention to ls's Triton
+    kernels where they run (ops.segment_attention)."""
 
     def __init__(self, ls_src_positions, ls_tgt_positions, ls_src_offsets, ls_tgt_offsets, ls_src_max_len,
-                 ls_tgt_max_len, triton=False):
+                 ls_tgt_max_len, triton=True):
         self.src_positions, self.tgt_positions = ls_src_positions, ls_tgt_positions
         self.src_max_len, self.tgt_max_len = int(ls_src_max_len), int(ls_tgt_max_len)
         self.encoder_mask = ops.SegmentMask(ls_src_offsets, ls_src_offsets, self.src_max_len, self.src_max_len,

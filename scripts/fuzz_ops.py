@@ -69,6 +69,9 @@ from ls_fairseq.ops.layer_norm import layer_norm_forward_reference  # noqa: E402
 from ls_fairseq.ops.qkv import QKV_ROUTE, qkv_backward_reference, qkv_forward_reference  # noqa: E402
 from ls_fairseq.ops.softmax import SOFTMAX_ROUTE, softmax_backward_reference, softmax_forward_reference  # noqa: E402
 
+# CPU tensors take segment_attention's Triton path in Triton's interpreter where TRITON_INTERPRET=1 is set
+segment_attention.INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PRIMES = (2, 3, 5, 7, 11, 13, 17, 31, 37, 61, 67, 127, 131, 257, 509, 521, 1021, 1031, 2039, 2053, 4093)
 PAD = 1

@@ -140,9 +140,14 @@ def test_varlen_path_runs_where_it_fits():
     assert not seg.varlen_fits(q, 0.0, True, False, True)  # the fp32 row term
 
 
-# The Triton path (--ls-packed-triton-attention): on the GPU, and on the CPU in Triton's interpreter
-# (conftest sets TRITON_INTERPRET=1 where no GPU is), which runs fp32 only.
+# The Triton path (the packed step's): on the GPU, and on the CPU in Triton's interpreter (conftest sets
+# TRITON_INTERPRET=1 where no GPU is; seg.INTERPRET lets CPU tensors take the path), which runs fp32 only.
 needs_triton = pytest.mark.skipif(seg._triton_kernels() is None, reason="triton is not installed")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setattr(seg, "INTERPRET", True)
 
 
 def triton_streams(generator, device, dtype, causal, H, D, segments, longest):
@@ -189,7 +194,7 @@ def nan_empty(monkeypatch, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_triton_path_against_block_diagonal_reference(dtype, device, causal, exact_row_term, p, short_backward,
-                                                      request, monkeypatch):
+                                                      request, monkeypatch, interpret):
     """Random segments (one of length 1, an empty one, one of the longest) over two tiles of rows, a
     tail, token-major q/k/v views; forward and gradients against the fp64 oracle, with the kernels' own
     keep-mask under dropout; every output element written, the tail rows exactly zero. ``short_backward``:
@@ -211,13 +216,13 @@ def test_triton_path_against_block_diagonal_reference(dtype, device, causal, exa
         torch.manual_seed(request.node.ls_seed)  # the same seed as keep's
         return ops.attention(*t, mask, p, True, exact_row_term=exact_row_term)
 
-    nan_empty(monkeypatch, device)
-    kernels_module.SHORT_BACKWARD = short_backward
-    try:
-        got = run(kernels, q, k, v, dout, dtype)
-    finally:
-        kernels_module.SHORT_BACKWARD = short_was
-    monkeypatch.undo()
+    with monkeypatch.context() as patched:
+        nan_empty(patched, device)
+        kernels_module.SHORT_BACKWARD = short_backward
+        try:
+            got = run(kernels, q, k, v, dout, dtype)
+        finally:
+            kernels_module.SHORT_BACKWARD = short_was
     ref64 = run(lambda *t: seg.segment_attention_reference(*t, mask, p, True, keep), q, k, v, dout, torch.float64)
     low = run(lambda *t: seg.segment_attention_reference(*t, mask, p, True, keep), q, k, v, dout, dtype)
     assert got[0].transpose(1, 2).is_contiguous(), "the output is token-major (the out projection merges a view)"
@@ -229,7 +234,7 @@ def test_triton_path_against_block_diagonal_reference(dtype, device, causal, exa
 
 @needs_triton
 @pytest.mark.parametrize("device", DEVICES)
-def test_triton_keep_mask_drops_at_the_rate_and_only_inside_segments(device, request):
+def test_triton_keep_mask_drops_at_the_rate_and_only_inside_segments(device, request, interpret):
     generator = torch.Generator().manual_seed(request.node.ls_seed)
     q, k, v, mask = triton_streams(generator, device, torch.float32, False, 2, 16, segments=9, longest=45)
     seed = torch.randint(2**62, (1,), generator=generator).to(device)
@@ -267,7 +272,8 @@ def test_triton_many_segments_bit_identical_runs_and_2x_rule(dtype, request):
         runs.append(run(lambda *t: ops.attention(*t, mask, 0.1, True, deterministic=True), q, k, v, dout, dtype))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
-    small = ops.SegmentMask(offsets[:121], offsets[:121], 120, 120, causal=True, triton=True)
+    small_offsets = offsets[:121]
+    small = ops.SegmentMask(small_offsets, small_offsets, 120, 120, causal=True, triton=True)
     rows = int(offsets[120]) + 13
     q, k, v, dout = (t[:, :4, :rows] for t in (q, k, v, dout))
     got = run(lambda *t: ops.attention(*t, small), q, k, v, dout, dtype)

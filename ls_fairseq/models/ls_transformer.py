@@ -119,15 +119,6 @@ class LSTransformerConfig(FairseqDataclass):
             "the slower blocks path. Experimental: its speed and convergence are not yet measured"
         },
     )
-    ls_packed_triton_attention: bool = field(
-        default=False,
-        metadata={
-            "help": "experimental, opt-in until its GPU tests have run: with --ls-packed, attention through ls's "
-            "Triton segment kernels (a program per sentence, block of 32 or 64 rows and head, its keys bounded by "
-            "its own sentence; no varlen 128-row tiles, no gathers, no atomics), with dropout, --ls-deterministic "
-            "and the fp32 row term honoured; any sentence length"
-        },
-    )
     ls_cuda_graphs: bool = field(
         default=False,
         metadata={
@@ -428,7 +419,6 @@ class LSTransformerModel(FairseqEncoderDecoderModel):
         decoder = LSTransformerDecoder(args, tgt_dict, decoder_embed, right_padded_targets=right_padded, fp8=fp8)
         model = cls(encoder, decoder)
         model.fp8 = fp8
-        model.packed_triton_attention = args.ls_packed_triton_attention
         return model
 
     def forward(self, src_tokens, src_lengths, prev_output_tokens, **kwargs):
@@ -437,8 +427,7 @@ class LSTransformerModel(FairseqEncoderDecoderModel):
         if self.training and getattr(self, "fp8", None) is not None:
             self.fp8.begin(src_tokens.device)
         if "ls_src_offsets" in kwargs:
-            packed = Packed(**{key: kwargs.pop(key) for key in packing.KEYS},
-                            triton=getattr(self, "packed_triton_attention", False))
+            packed = Packed(**{key: kwargs.pop(key) for key in packing.KEYS})
             encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, packed=packed, **kwargs)
             return self.decoder(prev_output_tokens, encoder_out=encoder_out, packed=packed, **kwargs)
         return super().forward(src_tokens, src_lengths, prev_output_tokens, **kwargs)
@@ -496,7 +485,6 @@ def base_architecture(args):
     args.ls_deterministic = getattr(args, "ls_deterministic", False)
     args.ls_cuda_graphs = getattr(args, "ls_cuda_graphs", False)
     args.ls_flash_cross_attention = getattr(args, "ls_flash_cross_attention", False)
-    args.ls_packed_triton_attention = getattr(args, "ls_packed_triton_attention", False)
     args.ls_packed = getattr(args, "ls_packed", False)
     args.ls_fp8 = getattr(args, "ls_fp8", False)
     args.ls_fp8_forward = getattr(args, "ls_fp8_forward", "qkv,kv,vocab")

@@ -10,12 +10,12 @@ The output has q's shape, laid out as [1, Nq, heads, d_head] storage (so the out
 projection merges its heads as a view), with the tail rows exactly zero.
 
 Three paths:
-- triton (opt-in, ``SegmentMask(triton=True)``, --ls-packed-triton-attention): ls's Triton kernels
+- triton (``SegmentMask(triton=True)``, as the packed step's masks are made): ls's Triton kernels
   (ls_fairseq/triton_kernels/segment_attention.py) read q, k and v by stride and the offsets, a
   program per (segment, block of query rows, head), nothing padded or gathered, no atomics; dropout
-  (drawn again in the backward), ``deterministic`` and the fp32 row term always. On
-  CUDA unless the op is forced onto its reference; on the CPU only under Triton's interpreter
-  (TRITON_INTERPRET=1, the tests). Wherever it does not run, the two paths below do;
+  (drawn again in the backward), ``deterministic`` and the fp32 row term always. On CUDA where
+  triton is installed, unless the op is forced onto its reference; on the CPU only where a test asks
+  for Triton's interpreter (``INTERPRET``). Wherever it does not run, the two paths below do;
 - blocks (every device; the CPU's path): each segment's rows are gathered into a
   block of ``max_q`` (``max_k``) rows, [segments, heads, max, d_head], and the
   blocks go through ``ops.attention`` with a key padding mask: its fused kernel, the
@@ -37,7 +37,6 @@ Each path logs once, at its first call for each kind of attention, that it runs.
 import functools
 import inspect
 import logging
-import os
 
 import torch
 
@@ -74,13 +73,17 @@ def _triton_kernels():
     return kernels
 
 
+# Tests set this to run the Triton path on CPU tensors, in Triton's interpreter (which needs
+# TRITON_INTERPRET=1 in the environment before triton is imported; tests/conftest.py sets it).
+INTERPRET = False
+
+
 def triton_runs(q, k, v, mask):
     """Whether the Triton path runs: asked for (``mask.triton``), triton installed, CUDA tensors and the op
-    not forced onto its reference (or Triton's interpreter on, for CPU tensors), and shapes the kernels take."""
+    not forced onto its reference (CPU tensors: ``INTERPRET``), and shapes the kernels take."""
     if not mask.triton:
         return False
-    on_device = (q.is_cuda and not dispatch.forced_reference("segment_attention")) or (
-        not q.is_cuda and os.environ.get("TRITON_INTERPRET") == "1")
+    on_device = (q.is_cuda and not dispatch.forced_reference("segment_attention")) or (not q.is_cuda and INTERPRET)
     return on_device and _triton_kernels() is not None and _triton_kernels().fits(q, k, v, mask)
 
 

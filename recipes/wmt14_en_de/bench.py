@@ -78,10 +78,6 @@ SYSTEMS = {
                                     "--required-seq-len-multiple", "8"], "ls_fairseq.train"),
     "ls-bf16-packed-fcross-graphs": LS + (["--bf16", "--ls-packed", "--ls-flash-cross-attention", "--ls-cuda-graphs"],
                                           "ls_fairseq.train"),
-    # attention through ls's Triton segment kernels (--ls-packed-triton-attention)
-    "ls-bf16-packed-triton-graphs": LS + (["--bf16", "--ls-packed", "--ls-packed-triton-attention",
-                                           "--ls-cuda-graphs"], "ls_fairseq.train"),
-    "ls-bf16-packed-triton": LS + (["--bf16", "--ls-packed", "--ls-packed-triton-attention"], "ls_fairseq.train"),
     "ls-bf16-fp8-packed": LS + (["--bf16", "--ls-fp8", "--ls-packed"], "ls_fairseq.train"),
     "ls-bf16-fp8-packed-graphs": LS + (["--bf16", "--ls-fp8", "--ls-packed", "--ls-cuda-graphs"], "ls_fairseq.train"),
     "ls-bf16": LS + (["--memory-efficient-bf16"], "ls_fairseq.train"),
