@@ -174,3 +174,121 @@ def test_to_ctranslate2_bad_input_gets_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ctranslate2.converters", None)
     with pytest.raises(convert.ConversionError, match="pip install ctranslate2"):
         convert.to_ctranslate2(str(ckpt), str(tmp_path / "out"))
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory):
+    """Untrained models saved as fairseq-train saves a checkpoint (its cfg, the model's state dict)
+    beside tiny en/de dictionaries (the data they name): a builder, (name, arch, options) -> path."""
+    from fairseq import options, tasks
+    from fairseq.data import Dictionary
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from omegaconf import OmegaConf
+
+    import ls_fairseq.fairseq_plugin  # noqa: F401 (registers the ls architectures, as --user-dir does)
+
+    root = tmp_path_factory.mktemp("untrained")
+    d = Dictionary()
+    for w in "abcdefgh":
+        d.add_symbol(w)
+    for lang in ("en", "de"):
+        d.save(str(root / "dict.{}.txt".format(lang)))
+
+    def build(name, arch, *extra):
+        parser = options.get_training_parser()
+        args = options.parse_args_and_arch(parser, [str(root), "--arch", arch, "--source-lang", "en", "--target-lang",
+                                                    "de", "--cpu"] + list(extra))
+        task = tasks.setup_task(args)
+        state = {"args": None, "cfg": OmegaConf.to_container(convert_namespace_to_omegaconf(args), resolve=True,
+                                                             enum_to_str=True),
+                 "model": task.build_model(args).state_dict(), "optimizer_history": [], "extra_state": {},
+                 "last_optimizer_state": None}
+        path = root / "{}.pt".format(name)
+        torch.save(state, path)
+        return path
+
+    return build
+
+
+def renamed(state, arch):
+    """``state`` with its model configuration (a dict or, as fairseq saves some, a Namespace) naming
+    ``arch``."""
+    model = state["cfg"]["model"]
+    for key in ("arch", "_name"):
+        if isinstance(model, dict):
+            model[key] = arch
+        else:
+            setattr(model, key, arch)
+    return state
+
+
+def refusal(capsys, *argv):
+    """python -m ls_fairseq.convert's exit status and its one line on stderr (which it must be)."""
+    status = convert.main(list(argv))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return status, lines[0]
+
+
+def test_to_ctranslate2_refuses_what_ctranslate2_cannot_take_in_one_line(untrained, tmp_path, capsys):
+    """Every case exits with status 2 and one line that names what is unsupported: CTranslate2's own
+    reasons (an lstm, mixed normalize_before) before the dictionaries are looked for, ls's (an
+    architecture fairseq does not register, an ls one with no stock counterpart, a missing dictionary,
+    a file that is no checkpoint)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    small = ["--encoder-embed-dim", "16", "--decoder-embed-dim", "16"]
+    lstm = untrained("lstm", "lstm", *small, "--encoder-hidden-size", "16", "--decoder-hidden-size", "16",
+                     "--decoder-out-embed-dim", "16")
+    # refused for what it is, although the dictionaries are missing from --data-dir too
+    status, line = refusal(capsys, "to-ctranslate2", str(lstm), str(tmp_path / "out"), "--data-dir", str(empty))
+    assert status == 2 and "CTranslate2 cannot convert this model: Model 'lstm' used by architecture 'lstm' is not " \
+                           "supported" in line, line
+
+    tiny = ["--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2",
+            "--decoder-attention-heads", "2"] + small
+    mixed = untrained("mixed", "ls_transformer_tiny", *tiny, "--encoder-normalize-before")
+    status, line = refusal(capsys, "to-ctranslate2", str(mixed), str(tmp_path / "out"))
+    assert status == 2 and line.endswith(
+        "CTranslate2 cannot convert this model: Options --encoder-normalize-before and --decoder-normalize-before "
+        "must have the same value"), line
+    # its twin with both sides pre-norm converts (ls trains either), so the refusal is about the mix
+    both = untrained("both", "ls_transformer_tiny", *tiny, "--encoder-normalize-before", "--decoder-normalize-before")
+    assert convert.main(["to-ctranslate2", str(both), str(tmp_path / "both")]) == 0
+    assert (tmp_path / "both" / "model.bin").is_file()
+
+    stock = tmp_path / "stock.pt"
+    convert.save_atomic(convert.convert(convert.load_checkpoint(str(both)), to_ls=False), str(stock))
+    state = torch.load(stock, weights_only=True)
+    renamed(state, "my_arch")
+    torch.save(state, tmp_path / "my_arch.pt")
+    status, line = refusal(capsys, "to-ctranslate2", str(tmp_path / "my_arch.pt"), str(tmp_path / "out"))
+    assert status == 2 and "architecture 'my_arch' is not one that fairseq registers" in line, line
+    state = torch.load(both, weights_only=True)
+    renamed(state, "ls_my_arch")
+    torch.save(state, tmp_path / "ls_my_arch.pt")
+    status, line = refusal(capsys, "to-ctranslate2", str(tmp_path / "ls_my_arch.pt"), str(tmp_path / "out"))
+    assert status == 2 and "architecture 'ls_my_arch' has no stock transformer counterpart" in line, line
+
+    # the dictionaries are neither in --data-dir nor beside the checkpoint (a copy elsewhere)
+    status, line = refusal(capsys, "to-ctranslate2", str(both), str(tmp_path / "out"), "--data-dir", str(empty))
+    assert status == 2 and "no dictionaries (dict.SRC.txt, dict.TGT.txt) in {}".format(empty) in line, line
+
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    for direction in ("to-ctranslate2", "to-fairseq"):
+        status, line = refusal(capsys, direction, str(tmp_path / "junk.pt"), str(tmp_path / "out"))
+        assert status == 2 and "torch.load(weights_only=True) cannot load it" in line, line
+    status, line = refusal(capsys, "to-fairseq", str(tmp_path / "missing.pt"), str(tmp_path / "out"))
+    assert status == 2 and line.endswith("missing.pt: no such checkpoint"), line
+    status, line = refusal(capsys, "to-fairseq", str(stock), str(tmp_path / "out"))
+    assert status == 2 and "this is already a stock fairseq transformer checkpoint" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_refusal_of_the_command_is_one_line_and_status_2(untrained, tmp_path):
+    """The same as the command runs: a stock lstm checkpoint, no traceback."""
+    lstm = untrained("lstm_cli", "lstm", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+                     "--encoder-hidden-size", "16", "--decoder-hidden-size", "16", "--decoder-out-embed-dim", "16")
+    proc = run([bin_path("python"), "-m", "ls_fairseq.convert", "to-ctranslate2", str(lstm), str(tmp_path / "out")])
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr[-3000:]
+    assert "Model 'lstm' used by architecture 'lstm' is not supported" in proc.stderr, proc.stderr[-3000:]
