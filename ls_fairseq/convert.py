@@ -14,9 +14,9 @@ state is dropped (with a notice): the two optimizers keep different layouts.
 The written config holds only plain containers (no argparse.Namespace, no
 meters), so the output loads with torch's weights_only=True.
 
-to-ctranslate2 (needs the ``ctranslate2`` package: ``pip install ls_fairseq[ctranslate2]``)
-takes an ls or a stock checkpoint and writes a CTranslate2 model directory through
-CTranslate2's own fairseq converter. That converter reads the model's configuration
+to-ctranslate2 (needs the ``ctranslate2`` package: ``pip install -e '.[ctranslate2]'`` in
+this repository) takes an ls or a stock checkpoint and writes a CTranslate2 model directory
+through CTranslate2's own fairseq converter. That converter reads the model's configuration
 from the checkpoint as an argparse.Namespace and builds a registered stock model, so
 the checkpoint is turned into a stock one in memory (as to-fairseq does) and handed to
 it in a temporary file whose ``cfg["model"]`` is a Namespace; every load keeps torch's
@@ -24,11 +24,22 @@ weights_only on (the Namespace type allowed within the call only). The dictionar
 (``dict.SRC.txt``, ``dict.TGT.txt``) come from ``--data-dir``, else from the
 checkpoint's folder, else from the data directory the checkpoint was trained on; where
 the checkpoint recorded its dictionaries' fingerprints, those found must match them.
+
+What the converter cannot take is refused before anything is written, in one line that names
+it, and ``python -m ls_fairseq.convert`` exits with status 2 for every refusal. ls checks what it
+knows itself (an ls architecture without a stock counterpart, an architecture fairseq has not
+registered, the task, the dictionaries); the model's configuration is then put to CTranslate2's
+own configuration check (its converter's ``_get_model_spec``) before the dictionaries are looked
+for, and a ValueError or KeyError of the converter becomes a one-line refusal with its message,
+so that these checks are CTranslate2's own and cannot drift from them (an ``lstm``, mixed
+``--encoder/decoder-normalize-before``, an activation it lacks).
 """
 import argparse
+import contextlib
 import glob
 import logging
 import os
+import pickle
 import re
 import sys
 import tempfile
@@ -76,7 +87,12 @@ _VERSION = ("encoder.version", "decoder.version")
 
 
 class ConversionError(ValueError):
-    pass
+    """A refusal: the command prints its message on one line and exits with status 2."""
+
+
+def one_line(text):
+    """``text`` with every run of whitespace (newlines included) made one space."""
+    return " ".join(str(text).split())
 
 
 def _rename(value, to_ls, kind):
@@ -226,9 +242,17 @@ QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16
 
 
 def load_checkpoint(path):
-    """A checkpoint file's dict, loaded with weights_only=True."""
-    with fairseq_types_allowed():
-        return torch.load(path, map_location="cpu", weights_only=True)
+    """A checkpoint file's dict, loaded with weights_only=True; a file torch cannot load so (corrupt,
+    truncated, not a checkpoint, pickling other types) is refused with torch's reason."""
+    try:
+        with fairseq_types_allowed():
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
+        raise ConversionError("torch.load(weights_only=True) cannot load it ({}: {})".format(
+            type(e).__name__, one_line(e)[:300])) from e
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise ConversionError("not a fairseq checkpoint (no 'model' state dict)")
+    return state
 
 
 def _plain(cfg):
@@ -306,6 +330,37 @@ def _check_dictionaries(state, recorded, folder, src, tgt):
                                   "{} here)".format(path, side, recorded[side]["sha256"], sha))
 
 
+@contextlib.contextmanager
+def ctranslate2_refusals():
+    """CTranslate2's fairseq converter refuses a model with a ValueError that lists its reasons as
+    "- " items (a KeyError where a name is missing from a registry, NotImplementedError where it has
+    no converter for the model): re-raised as a ConversionError of one line with CTranslate2's own
+    reasons, so that the refusals follow whatever the installed CTranslate2 checks."""
+    try:
+        yield
+    except (ValueError, KeyError, NotImplementedError) as e:
+        reasons = str(e).split("\n- ")[1:] if isinstance(e, ValueError) else []
+        what = "; ".join(one_line(r) for r in reasons) or "{}: {}".format(type(e).__name__, one_line(e))
+        raise ConversionError("CTranslate2 cannot convert this model: {}".format(what)) from e
+
+
+def check_ctranslate2_config(model_cfg):
+    """CTranslate2's own check of a stock model configuration (``model_cfg``, a dict of a registered
+    architecture), the first step of its converter's load, run before the dictionaries are looked for
+    so that an unsupported model is refused first. Options the configuration lacks get their
+    architecture's defaults first, as fairseq gives them when it parses a command line."""
+    try:
+        from ctranslate2.converters.fairseq import _get_model_spec
+    except ImportError:  # a CTranslate2 that renamed it: its converter runs the same check later
+        return
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    args = argparse.Namespace(**model_cfg)
+    ARCH_CONFIG_REGISTRY[args.arch](args)  # sets only the options that args lacks
+    with ctranslate2_refusals():
+        _get_model_spec(args)
+
+
 def ctranslate2_input(state, checkpoint, data_dir=None, source_lang=None, target_lang=None):
     """(stock checkpoint dict that CTranslate2's fairseq converter reads, dictionaries' folder): a
     stock one with cfg["model"] an argparse.Namespace (``args`` None) that names the dictionaries'
@@ -319,6 +374,12 @@ def ctranslate2_input(state, checkpoint, data_dir=None, source_lang=None, target
     task = model_cfg.get("task") or task_cfg.get("_name") or "translation"
     if task != "translation":
         raise ConversionError("the checkpoint's task is {!r}; to-ctranslate2 converts translation models".format(task))
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    if arch not in ARCH_MODEL_NAME_REGISTRY:
+        raise ConversionError("architecture {!r} is not one that fairseq registers; to-ctranslate2 converts "
+                              "fairseq's transformer architectures and ls_transformer's".format(arch))
+    check_ctranslate2_config(dict(model_cfg, arch=arch))
     folder, src, tgt = find_dictionaries(
         checkpoint, data_dir, model_cfg.get("data") or task_cfg.get("data"),
         source_lang or model_cfg.get("source_lang") or task_cfg.get("source_lang"),
@@ -336,8 +397,8 @@ def to_ctranslate2(checkpoint, output_dir, data_dir=None, quantization=None, sou
     try:
         from ctranslate2.converters import FairseqConverter
     except ImportError as e:
-        raise ConversionError("to-ctranslate2 needs CTranslate2: pip install ctranslate2 (or ls_fairseq[ctranslate2]) "
-                              "({})".format(e)) from e
+        raise ConversionError("to-ctranslate2 needs CTranslate2: pip install ctranslate2 (or pip install -e "
+                              "'.[ctranslate2]' in ls_fairseq's repository) ({})".format(e)) from e
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConversionError("--quantization {}: one of {}".format(quantization, ", ".join(QUANTIZATIONS)))
     if os.path.exists(output_dir) and not force:
@@ -348,7 +409,7 @@ def to_ctranslate2(checkpoint, output_dir, data_dir=None, quantization=None, sou
         torch.save(state, stock)
         del state
         converter = FairseqConverter(model_path=stock, data_dir=folder)
-        with fairseq_types_allowed():
+        with fairseq_types_allowed(), ctranslate2_refusals():
             return converter.convert(output_dir, quantization=quantization, force=force)
 
 
@@ -375,9 +436,9 @@ def main(argv=None):
     p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not os.path.isfile(args.input):
-        parser.error("no such checkpoint: {}".format(args.input))
     try:
+        if not os.path.isfile(args.input):
+            raise ConversionError("no such checkpoint")
         if args.direction == "to-ctranslate2":
             to_ctranslate2(args.input, args.output, args.data_dir, args.quantization, args.source_lang,
                            args.target_lang, args.force)
@@ -385,8 +446,8 @@ def main(argv=None):
             out = convert(load_checkpoint(args.input), to_ls=args.direction == "from-fairseq")
             save_atomic(out, args.output)
     except ConversionError as e:
-        print("convert: {}: {}".format(args.input, e), file=sys.stderr)
-        return 1
+        print("convert: {}: {}".format(args.input, one_line(e)), file=sys.stderr)
+        return 2  # argparse's status for a usage error: every refusal of the command exits with it
     logger.info("convert: wrote %s (%s)", args.output, args.direction)
     return 0
 

@@ -1,4 +1,5 @@
-"""ls_fairseq's fused encoder layer in Hugging Face BERT models (``pip install ls_fairseq[hf]``).
+"""ls_fairseq's fused encoder layer in Hugging Face BERT models (``pip install -e '.[hf]'`` in the
+repository: the package is not on PyPI).
 
     from ls_fairseq.hf import replace_bert_layers, restore_bert_layers
     replace_bert_layers(model)   # every BertLayer of the model becomes an LSBertLayer, weights copied
@@ -29,7 +30,7 @@ try:
     import transformers
     from transformers.models.bert.modeling_bert import BertLayer
 except ImportError as e:  # the optional extra
-    raise ImportError("ls_fairseq.hf needs transformers 5.x: pip install 'ls_fairseq[hf]' "
+    raise ImportError("ls_fairseq.hf needs transformers 5.x: pip install -e '.[hf]' in ls_fairseq's repository "
                       "(or pip install 'transformers>=5,<6')") from e
 
 SUPPORTED_MAJOR = (5,)

@@ -5,8 +5,9 @@
 #   2. bash -n and shellcheck on every shell script;
 #   3. every Python file parses (the GPU scripts and benchmarks included, which
 #      no CPU test imports);
-#   4. pytest (GPU-marked tests are skipped without a GPU).
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
+#   4. pytest, one pytest-xdist worker per core (GPU-marked tests are skipped without a GPU);
+#      a test module's tests that share an expensive fixture form an xdist_group, run by one worker.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"` (`-n 0`: no workers).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup_env.sh
@@ -56,4 +57,4 @@ if missing:
 PY
 echo "test: every Python file parses and imports only existing ls_fairseq names (${#py_files[@]} files)"
 
-python -m pytest -q -p no:cacheprovider "$@" tests
+python -m pytest -q -p no:cacheprovider -n auto --dist loadgroup "$@" tests

@@ -38,7 +38,21 @@ def fixed_seed():
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and the compiled extension (skipped without a GPU)")
     config.addinivalue_line("markers", "slow: end-to-end runs of fairseq's command-line tools")
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist runs the group's tests in one worker, so "
+                                       "that the fixtures they share are built once")
     fixed_seed()  # a malformed value stops the run before any test
+    share_the_cores()
+
+
+def share_the_cores():
+    """Under pytest-xdist (scripts/test.sh runs one worker per core), each worker and the commands it
+    starts get their share of the cores as torch threads (OMP_NUM_THREADS, unless set): every worker
+    with every core's threads oversubscribes the machine, and torch's idle threads spin."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers:
+        return
+    threads = os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(workers))))
+    torch.set_num_threads(int(threads))
 
 
 def pytest_report_header(config):

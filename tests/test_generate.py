@@ -25,6 +25,10 @@ TRAIN = [
 ]
 
 
+# one worker builds the trained model and the fixtures made from it (scripts/test.sh runs pytest-xdist)
+pytestmark = pytest.mark.xdist_group("generate")
+
+
 @pytest.fixture(scope="session")
 def trained(data_bin, tmp_path_factory):
     """A tiny ls_transformer trained for 300 updates on the embedded corpus (its hypotheses end

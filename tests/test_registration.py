@@ -116,3 +116,40 @@ def test_every_route_has_its_kernels_where_the_extension_is_loaded():
     for where, route in routes().items():
         kernels = route.kernel if isinstance(route.kernel, tuple) else (route.kernel,)
         assert all(callable(k) for k in kernels), where
+
+
+def reference_section(start, end):
+    """The text of docs/reference.md between two of its lines."""
+    import os
+
+    from conftest import REPO
+
+    with open(os.path.join(REPO, "docs", "reference.md"), encoding="utf-8") as f:
+        text = f.read()
+    assert start in text and end in text, (start, end)
+    return text.split(start, 1)[1].split(end, 1)[0]
+
+
+def test_the_reference_lists_every_plugin_option_with_its_component_and_default():
+    """docs/reference.md's options table (between its ls-options markers) has one row for each --ls-*
+    option of the plugin's dataclasses, with its component's kind and its default (off for a flag),
+    and no other row: an option added, renamed or given another default fails here until the table
+    says so."""
+    from test_entry_points import ls_options
+
+    rows = {}
+    for line in reference_section("<!-- ls-options -->", "<!-- /ls-options -->").strip().splitlines()[2:]:
+        option, component, default = [cell.strip() for cell in line.strip().strip("|").split("|")][:3]
+        assert option.strip("`") not in rows, option
+        rows[option.strip("`")] = (component, default)
+    expected = {}
+    for option, component, default, _ in ls_options():
+        shown = "off" if default is False else "{:g}".format(default) if isinstance(default, (int, float)) else default
+        expected[option] = (component.split()[0], str(shown))
+    assert rows == expected
+
+
+def test_the_reference_names_every_registered_architecture():
+    table = reference_section("## Registered names", "## Options")
+    for name in ARCHS + ["ls_label_smoothed_cross_entropy", "ls_adam", "LSSequenceGenerator", "ls-fairseq-train"]:
+        assert "`{}`".format(name) in table, name
