@@ -67,15 +67,16 @@ def test_dropout_is_the_padded_ops_on_the_same_blocks(device, exact_row_term, re
 
     def by_hand(q, k, v):
         blocks = []
-        for x, offsets, length in ((q, mask.q_offsets, mask.max_q), (k, mask.k_offsets, mask.max_k),
-                                   (v, mask.k_offsets, mask.max_k)):
+        max_q, max_k = mask.block_lengths()
+        for x, offsets, length in ((q, mask.q_offsets, max_q), (k, mask.k_offsets, max_k),
+                                   (v, mask.k_offsets, max_k)):
             rows = x[0].transpose(0, 1)
             block = rows.new_zeros(mask.segments, length, *rows.shape[1:])
             for s in range(mask.segments):
                 a, b = int(offsets[s]), int(offsets[s + 1])
                 block[s, : b - a] = rows[a:b]
             blocks.append(block.transpose(1, 2))
-        kpm = torch.arange(mask.max_k, device=device)[None] >= (mask.k_offsets[1:] - mask.k_offsets[:-1])[:, None]
+        kpm = torch.arange(max_k, device=device)[None] >= (mask.k_offsets[1:] - mask.k_offsets[:-1])[:, None]
         kpm[:, 0] = False
         out = ops.attention(*blocks, ops.AttentionMask(kpm), 0.3, True, exact_row_term=exact_row_term)
         rows = torch.zeros_like(q[0].transpose(0, 1))

@@ -134,7 +134,8 @@ class LSTransformerConfig(FairseqDataclass):
             "same sentences per batch as fairseq's batching), each stream rounded up to one of 8 capacities "
             "(multiples of 16) chosen from the epoch's batches, so the only padding is the stream's tail (1-2.5% "
             "of the FLOPs at 16,384-4,096 tokens, scripts/padding_cost.py), the same shapes eager or with "
-            "--ls-cuda-graphs; validation and translation stay padded"
+            "--ls-cuda-graphs; attention through ls's Triton segment kernels on the GPU; validation and "
+            "translation stay padded"
         },
     )
     ls_fp8: bool = field(

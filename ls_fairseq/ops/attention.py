@@ -129,6 +129,7 @@ class SegmentMask:
         self.q_offsets, self.k_offsets = q_offsets, k_offsets
         self.max_q, self.max_k, self.causal, self.triton = int(max_q), int(max_k), causal, triton
         self._blocks = {}
+        self._block_lengths = None
 
     @property
     def segments(self):
@@ -140,6 +141,17 @@ class SegmentMask:
         offsets = self.k_offsets if keys else self.q_offsets
         return torch.arange(rows, device=offsets.device) >= offsets[-1]
 
+    def block_lengths(self):
+        """(query rows, keys) of the blocks path's blocks: ``max_q`` and ``max_k`` on the GPU (no host
+        synchronisation; a CUDA graph's shapes), the batch's own longest segments on the CPU, where the
+        packing buckets' longest sentences made the blocks several times larger than the batch's (a
+        packed step ran 3-4x slower than the padded one)."""
+        if self.q_offsets.is_cuda:
+            return self.max_q, self.max_k
+        if self._block_lengths is None:
+            self._block_lengths = tuple(max(1, int((o[1:] - o[:-1]).max())) for o in (self.q_offsets, self.k_offsets))
+        return self._block_lengths
+
     def blocks(self, nq):
         """(q_index, k_index [segments x max rows], key padding mask [segments, max_k], keyless [segments,
         1, 1, 1], unpack [nq]) of the blocks path for a query stream of ``nq`` rows, made once: block row j
@@ -147,15 +159,16 @@ class SegmentMask:
         dropped as a query); keyless: the segments without keys, whose queries get zeros; unpack gives
         each stream row its place in the flattened query blocks (0 for the tail)."""
         if nq not in self._blocks:
-            q_index, _ = _block_rows(self.q_offsets, self.max_q)
-            k_index, k_valid = _block_rows(self.k_offsets, self.max_k)
+            max_q, max_k = self.block_lengths()
+            q_index, _ = _block_rows(self.q_offsets, max_q)
+            k_index, k_valid = _block_rows(self.k_offsets, max_k)
             keyless = ~k_valid[:, 0, None, None, None]
             hidden = ~k_valid
             hidden[:, 0] = False  # every row sees a key, so every softmax row is finite (keyless ones are zeroed)
             rows = torch.arange(nq, device=self.q_offsets.device)
             starts = self.q_offsets[:-1].long()
             segment = torch.searchsorted(self.q_offsets[1:].long(), rows, right=True).clamp_(max=self.segments - 1)
-            unpack = torch.where(self.tail(nq), 0, segment * self.max_q + rows - starts[segment])
+            unpack = torch.where(self.tail(nq), 0, segment * max_q + rows - starts[segment])
             self._blocks[nq] = (q_index.reshape(-1), k_index.reshape(-1), hidden, keyless, unpack)
         return self._blocks[nq]
 

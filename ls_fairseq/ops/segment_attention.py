@@ -17,7 +17,8 @@ Three paths:
   triton is installed, unless the op is forced onto its reference; on the CPU only where a test asks
   for Triton's interpreter (``INTERPRET``). Wherever it does not run, the two paths below do;
 - blocks (every device; the CPU's path): each segment's rows are gathered into a
-  block of ``max_q`` (``max_k``) rows, [segments, heads, max, d_head], and the
+  block of ``max_q`` (``max_k``) rows (on the CPU the batch's own longest segments,
+  SegmentMask.block_lengths), [segments, heads, max, d_head], and the
   blocks go through ``ops.attention`` with a key padding mask: its fused kernel, the
   LightSeq path or SDPA on the GPU, its reference on the CPU. So attention dropout,
   ``deterministic`` and the fp32 row term (``exact_row_term``) are honoured as in the
@@ -132,10 +133,11 @@ def blocks_attention(q, k, v, mask, p, training, deterministic, exact_row_term):
     def gather(x, index, length):
         return _rows(x).index_select(0, index).view(S, length, H, D).transpose(1, 2)
 
+    max_q, max_k = mask.block_lengths()
     blocks_mask = AttentionMask(hidden, causal=mask.causal, right_padded=True)
-    out = attention(gather(q, q_index, mask.max_q), gather(k, k_index, mask.max_k), gather(v, k_index, mask.max_k),
+    out = attention(gather(q, q_index, max_q), gather(k, k_index, max_k), gather(v, k_index, max_k),
                     blocks_mask, p, training, deterministic, exact_row_term)
-    rows = torch.where(keyless, 0.0, out).transpose(1, 2).reshape(S * mask.max_q, H, D).index_select(0, unpack)
+    rows = torch.where(keyless, 0.0, out).transpose(1, 2).reshape(S * max_q, H, D).index_select(0, unpack)
     return _as_heads(torch.where(mask.tail(rows.shape[0])[:, None, None], 0.0, rows))
 
 
