@@ -44,6 +44,23 @@ def ls_build_generator(stock):
     return build_generator
 
 
+def lm_build_generator(stock):
+    """``LanguageModelingTask.build_generator`` that says which generator decodes an ls_transformer_lm:
+    fairseq's SequenceGenerator (on the model's incremental decoding), as ``stock`` builds it."""
+
+    @functools.wraps(stock)
+    def build_generator(self, models, args, *rest, **kwargs):
+        from ls_fairseq.models.ls_transformer_lm import LSTransformerLanguageModel
+
+        if any(isinstance(m, LSTransformerLanguageModel) for m in models):
+            logging.getLogger("ls_fairseq.generation").info(
+                "ls_fairseq: fairseq's generator for ls_transformer_lm (LSSequenceGenerator decodes encoder-decoder "
+                "models only; the language model's steps run on its incremental key/value cache)")
+        return stock(self, models, args, *rest, **kwargs)
+
+    return build_generator
+
+
 def keep_peak_at_resets(reset):
     """``torch.cuda.reset_peak_memory_stats`` that first keeps the peak so far in ls_fairseq.memory."""
 

@@ -1,0 +1,171 @@
+"""ls_transformer_lm against fairseq's transformer_lm on converted weights (CPU, fp64, dropout 0)."""
+import argparse
+import types
+
+import pytest
+import torch
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+from fairseq.models.transformer_lm import TransformerLanguageModel
+from fairseq.models.transformer_lm import base_lm_architecture as stock_base
+from helpers import assert_close
+from model_utils import dictionary
+
+from ls_fairseq.convert import lm_model_to_fairseq, model_from_fairseq
+from ls_fairseq.criterions.ls_label_smoothed_cross_entropy import LSLabelSmoothedCrossEntropyCriterion
+from ls_fairseq.models.ls_transformer_lm import LSTransformerLanguageModel
+from ls_fairseq.models.ls_transformer_lm import base_lm_architecture as ls_base
+
+# the done-when's four variants: every activation, both position kinds, shared and separate embeddings,
+# with and without layernorm_embedding and the final norm (plus the input/output projections and no scaling)
+VARIANTS = {
+    "relu sinusoidal separate final-norm": dict(activation_fn="relu"),
+    "gelu learned shared layernorm-embedding": dict(activation_fn="gelu", decoder_learned_pos=True,
+                                                    share_decoder_input_output_embed=True, layernorm_embedding=True),
+    "gelu_accurate learned separate no-final-norm no-scale": dict(
+        activation_fn="gelu_accurate", decoder_learned_pos=True, no_decoder_final_norm=True, no_scale_embedding=True),
+    "gelu_accurate sinusoidal shared in/out projections layernorm-embedding": dict(
+        activation_fn="gelu_accurate", share_decoder_input_output_embed=True, decoder_input_dim=24,
+        decoder_output_dim=24, layernorm_embedding=True, no_decoder_final_norm=True),
+}
+
+
+def lm_args(**overrides):
+    kw = dict(decoder_embed_dim=32, decoder_ffn_embed_dim=48, decoder_layers=3, decoder_attention_heads=4,
+              dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, max_target_positions=64)
+    kw.update(overrides)
+    return kw
+
+
+def build_lm_pair(dtype=torch.float64, **overrides):
+    """(stock transformer_lm, ls_transformer_lm with stock's weights, task)."""
+    d = dictionary()
+    task = types.SimpleNamespace(source_dictionary=d, target_dictionary=d)
+    stock_args = argparse.Namespace(**lm_args(**overrides))
+    stock_base(stock_args)
+    stock = TransformerLanguageModel.build_model(stock_args, task)
+    ls_args = argparse.Namespace(**lm_args(**overrides))
+    ls_base(ls_args)
+    ls = LSTransformerLanguageModel.build_model(ls_args, task)
+    ls.load_state_dict(model_from_fairseq(stock.state_dict()))
+    return stock.to(dtype), ls.to(dtype), task
+
+
+def lm_sample(d, B=4, T=10, padded=True):
+    """A language_modeling batch: rows padded at their ends (MonolingualDataset's), target shifted by one."""
+    tokens = torch.randint(d.nspecial, len(d), (B, T + 1))
+    tokens[:, 0] = d.eos()
+    if padded:
+        for b in range(1, B):
+            tokens[b, T + 1 - 2 * b:] = d.pad()
+    src, target = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    target = target.masked_fill(src.eq(d.pad()), d.pad())
+    return {"net_input": {"src_tokens": src, "src_lengths": src.ne(d.pad()).sum(1)}, "target": target,
+            "ntokens": int(target.ne(d.pad()).sum()), "nsentences": B}
+
+
+def stock_named_grads(model):
+    return model_from_fairseq({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+
+
+@pytest.mark.parametrize("right_padded", [False, True])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_loss_and_gradients_equal_stock(variant, right_padded):
+    """The done-when: loss within 1e-6 relative, every gradient within 1e-5 of its largest entry, through
+    the criteria fairseq-train uses (label smoothing 0). right_padded: language_modeling's batches let the
+    causal self-attention drop the padding mask."""
+    stock, ls, task = build_lm_pair(**VARIANTS[variant])
+    ls.decoder.right_padded = right_padded
+    sample = lm_sample(task.source_dictionary)
+    stock.train()
+    ls.train()
+    stock_crit = LabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.0)
+    ls_crit = LSLabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.0)
+    loss_stock, _, _ = stock_crit(stock, sample)
+    loss_ls, _, _ = ls_crit(ls, sample)
+    assert abs(loss_ls.item() - loss_stock.item()) <= 1e-6 * abs(loss_stock.item()), (loss_ls, loss_stock)
+    loss_stock.backward()
+    loss_ls.backward()
+    g_stock = stock_named_grads(stock)
+    g_ls = {n: p.grad for n, p in ls.named_parameters() if p.grad is not None}
+    assert set(g_stock) == set(g_ls)
+    for name, g in g_stock.items():
+        err = (g_ls[name] - g).abs().max().item()
+        assert err <= 1e-5 * g.abs().max().item(), (name, err, g.abs().max().item())
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_incremental_decoding_and_prefill_equal_stock(variant):
+    """Step by step with beam reorders as fairseq's SequenceGenerator makes them, stock and ls alike; and a
+    prompt run in one pass into an empty incremental state (prefill), then steps, equal to stock's steps."""
+    stock, ls, task = build_lm_pair(**VARIANTS[variant])
+    stock.eval()
+    ls.eval()
+    d = task.source_dictionary
+    tokens = torch.randint(d.nspecial, len(d), (4, 8))
+    tokens[:, 0] = d.eos()
+    reorders = {3: torch.tensor([1, 1, 3, 2]), 5: torch.tensor([0, 2])}
+    with torch.no_grad():
+        state_stock, state_ls, prefill = {}, {}, {}
+        logits = ls.decoder(tokens[:, :4], incremental_state=prefill)[0]
+        assert_close(logits, ls.decoder(tokens[:, :4])[0], rtol=1e-9, atol=1e-9, what="prefill vs full")
+        for t in range(tokens.shape[1]):
+            if t in reorders:
+                order = reorders[t]
+                tokens = tokens[order]
+                for model, state in ((stock, state_stock), (ls, state_ls), (ls, prefill)):
+                    model.decoder.reorder_incremental_state_scripting(state, order)
+            step_stock = stock.decoder(tokens[:, : t + 1], incremental_state=state_stock)[0]
+            step_ls = ls.decoder(tokens[:, : t + 1], incremental_state=state_ls)[0]
+            assert_close(step_ls, step_stock, rtol=1e-6, atol=1e-6, what="step {}".format(t))
+            if t >= 4:
+                step_prefilled = ls.decoder(tokens[:, : t + 1], incremental_state=prefill)[0]
+                assert_close(step_prefilled, step_stock, rtol=1e-6, atol=1e-6, what="prefilled step {}".format(t))
+
+
+def test_conversion_round_trip_loads_in_stock_and_back():
+    stock, ls, _ = build_lm_pair(**VARIANTS["gelu learned shared layernorm-embedding"])
+    converted = lm_model_to_fairseq(ls.state_dict())
+    assert "encoder.version" not in converted
+    stock.load_state_dict(converted)  # strict: the keys are stock's
+    back = model_from_fairseq(converted)
+    for name, value in ls.state_dict().items():
+        assert torch.equal(back[name], value), name
+
+
+@pytest.mark.parametrize("option,value,named", [
+    ("adaptive_input", True, "--adaptive-input"),
+    ("adaptive_softmax_cutoff", "10,20", "--adaptive-softmax-cutoff"),
+    ("character_embeddings", True, "--character-embeddings"),
+    ("quant_noise_pq", 0.1, "--quant-noise-pq"),
+    ("base_layers", 1, "--base-layers"),
+    ("scale_fc", True, "--scale-fc"),
+    ("scale_heads", True, "--scale-heads"),
+    ("decoder_xformers_att_config", "{}", "--decoder-xformers-att-config"),
+    ("decoder_layerdrop", 0.1, "--decoder-layerdrop"),
+    ("ls_packed", True, "--ls-packed"),
+])
+def test_unsupported_stock_options_are_refused_by_name(option, value, named):
+    d = dictionary()
+    args = argparse.Namespace(**lm_args(**{option: value}))
+    ls_base(args)
+    with pytest.raises(ValueError, match="^ls_transformer_lm: " + named + ": [^\n]+$"):
+        LSTransformerLanguageModel.build_model(args, types.SimpleNamespace(source_dictionary=d, target_dictionary=d))
+
+
+def test_bad_dimensions_are_clear_errors():
+    d = dictionary()
+    task = types.SimpleNamespace(source_dictionary=d, target_dictionary=d)
+    args = argparse.Namespace(**lm_args(decoder_embed_dim=30))
+    ls_base(args)
+    with pytest.raises(ValueError, match="--decoder-embed-dim 30 is not divisible by --decoder-attention-heads 4"):
+        LSTransformerLanguageModel.build_model(args, task)
+    args = argparse.Namespace(**lm_args(share_decoder_input_output_embed=True, decoder_input_dim=16))
+    ls_base(args)
+    with pytest.raises(ValueError, match="--decoder-input-dim \\(16\\) equal to --decoder-output-dim \\(32\\)"):
+        LSTransformerLanguageModel.build_model(args, task)
+
+
+def test_a_stock_checkpoint_is_named_as_such():
+    stock, ls, _ = build_lm_pair()
+    with pytest.raises(ValueError, match="fairseq's transformer_lm .* convert it first"):
+        ls.load_state_dict(stock.state_dict())
