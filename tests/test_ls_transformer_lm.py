@@ -169,3 +169,58 @@ def test_a_stock_checkpoint_is_named_as_such():
     stock, ls, _ = build_lm_pair()
     with pytest.raises(ValueError, match="fairseq's transformer_lm .* convert it first"):
         ls.load_state_dict(stock.state_dict())
+
+
+def prompts(d, B=6, P=7, seed=3):
+    """A language_modeling generation batch: each row's prompt (prefix tokens, at least 3 long, padded at
+    the end as fairseq-generate's --prefix-size takes them from the targets)."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(d.nspecial, len(d), (B, P), generator=g)
+    for b in range(B):
+        prefix[b, 3 + b % (P - 2):] = d.pad()
+    src = torch.cat([torch.full((B, 1), d.eos()), prefix], dim=1)
+    return {"id": torch.arange(B), "net_input": {"src_tokens": src, "src_lengths": src.ne(d.pad()).sum(1)}}, prefix
+
+
+@pytest.mark.parametrize("options", [dict(beam_size=1, max_len_b=12), dict(beam_size=4, max_len_b=12),
+                                     dict(beam_size=3, max_len_b=10, len_penalty=0.5, temperature=0.8, unk_penalty=1.0)],
+                         ids=["greedy", "beam4", "beam3-lenpen-temperature-unkpen"])
+@pytest.mark.parametrize("variant", ["relu sinusoidal separate final-norm",
+                                     "gelu_accurate sinusoidal shared in/out projections layernorm-embedding"])
+def test_device_generator_with_prefill_equals_fairseqs_generator(variant, options, monkeypatch):
+    """LSSequenceGenerator on ls_transformer_lm, the prompts' common part run in one pass (prefill), the
+    rest of each prompt forced step by step, then decoded on the preallocated cache: fairseq's
+    SequenceGenerator's hypotheses on the stock model (ties in index order, as the ls generator's)."""
+    from fairseq.sequence_generator import SequenceGenerator
+    from test_generate import IndexOrderedBeamSearch, assert_same_nbest
+
+    from ls_fairseq.generation import LSSequenceGenerator
+
+    stock, ls, task = build_lm_pair(torch.float32, **VARIANTS[variant])
+    stock.eval()
+    ls.eval()
+    d = task.target_dictionary
+    sample, prefix = prompts(d)
+    prefilled = []
+    real = type(ls.decoder).prefill
+    monkeypatch.setattr(type(ls.decoder), "prefill",
+                        lambda self, tokens, cache: prefilled.append(tokens.shape) or real(self, tokens, cache))
+    ref = SequenceGenerator([stock], d, search_strategy=IndexOrderedBeamSearch(d), **options).generate(
+        [stock], sample, prefix_tokens=prefix, bos_token=d.eos())
+    out = LSSequenceGenerator([ls], d, **options).generate([ls], sample, prefix_tokens=prefix, bos_token=d.eos())
+    assert prefilled == [torch.Size([6, 3])]  # bos and the first 2 of the 3 prompt tokens every row has
+    assert_same_nbest(dict(enumerate(ref)), dict(enumerate(out)))
+    assert all(torch.equal(h["tokens"][:3], prefix[i, :3]) for i, hypos in enumerate(out) for h in hypos)
+
+
+def test_the_language_modeling_task_builds_the_device_generator():
+    import ls_fairseq.fairseq_plugin  # noqa: F401 (the generator hook)
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    from ls_fairseq.generation import LSSequenceGenerator
+
+    _, ls, task = build_lm_pair(torch.float32)
+    lm_task = LanguageModelingTask.__new__(LanguageModelingTask)
+    lm_task.output_dictionary = lm_task.dictionary = task.target_dictionary
+    gen = lm_task.build_generator([ls], argparse.Namespace(beam=2, sampling=False))
+    assert isinstance(gen, LSSequenceGenerator)

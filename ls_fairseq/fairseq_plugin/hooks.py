@@ -25,8 +25,8 @@ def checked_load_indexed_dataset(load):
 
 
 def ls_build_generator(stock):
-    """``TranslationTask.build_generator`` that returns ``LSSequenceGenerator`` where it can stand in
-    for fairseq's generator, else ``stock``'s (ls_fairseq.generation)."""
+    """``TranslationTask.build_generator`` (and LanguageModelingTask's) that returns ``LSSequenceGenerator``
+    where it can stand in for fairseq's generator, else ``stock``'s (ls_fairseq.generation)."""
 
     @functools.wraps(stock)
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
@@ -40,23 +40,6 @@ def ls_build_generator(stock):
         logging.getLogger("ls_fairseq.generation").info("ls_fairseq: fairseq's generator (%s)", reason)
         return stock(self, models, args, seq_gen_cls=seq_gen_cls, extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                      prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
-
-    return build_generator
-
-
-def lm_build_generator(stock):
-    """``LanguageModelingTask.build_generator`` that says which generator decodes an ls_transformer_lm:
-    fairseq's SequenceGenerator (on the model's incremental decoding), as ``stock`` builds it."""
-
-    @functools.wraps(stock)
-    def build_generator(self, models, args, *rest, **kwargs):
-        from ls_fairseq.models.ls_transformer_lm import LSTransformerLanguageModel
-
-        if any(isinstance(m, LSTransformerLanguageModel) for m in models):
-            logging.getLogger("ls_fairseq.generation").info(
-                "ls_fairseq: fairseq's generator for ls_transformer_lm (LSSequenceGenerator decodes encoder-decoder "
-                "models only; the language model's steps run on its incremental key/value cache)")
-        return stock(self, models, args, *rest, **kwargs)
 
     return build_generator
 

@@ -51,8 +51,9 @@ def patches(ls_trainer=False):
               "token ids outside the dictionary fail at load, naming the file, not inside a GPU gather"),
         Patch(TranslationTask, "build_generator", hooks.ls_build_generator,
               "fairseq-generate/interactive translate an ls_transformer with the device beam search"),
-        Patch(LanguageModelingTask, "build_generator", hooks.lm_build_generator,
-              "fairseq-generate --task language_modeling logs which generator decodes an ls_transformer_lm"),
+        Patch(LanguageModelingTask, "build_generator", hooks.ls_build_generator,
+              "fairseq-generate/interactive --task language_modeling sample an ls_transformer_lm on the device, "
+              "its prompt prefilled in one pass"),
         Patch(torch.cuda, "reset_peak_memory_stats", hooks.keep_peak_at_resets,
               "fairseq's trainer resets the peak every update; the logged gpu_peak_gib keeps it first"),
         Patch(EpochBatchIterator, "first_batch", hooks.first_batch_once,

@@ -15,7 +15,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
@@ -109,7 +108,7 @@ class LSTransformerLanguageModelConfig(FairseqDataclass):
     decoder_attention_heads: int = field(default=8, metadata={"help": "num decoder attention heads"})
     decoder_normalize_before: bool = field(
         default=False,
-        metadata={"help": "apply layernorm before each decoder block (every architecture sets it, as stock's do)"},
+        metadata={"help": "apply layernorm before each decoder block (every named architecture sets it, as stock's do)"},
     )
     no_decoder_final_norm: bool = field(
         default=False, metadata={"help": "don't add an extra layernorm after the last decoder block"}
@@ -252,6 +251,31 @@ class LSTransformerLMDecoder(FairseqIncrementalDecoder):
     def output_layer(self, features):
         return ops.linear(features, self.output_projection.weight)
 
+    def prefill(self, tokens, cache):
+        """A prompt's first tokens [sentences, P] (from position 0) in one pass: every layer's keys and values
+        written into ``cache`` (a generation.DecoderCache, each beam's slot) at positions 0..P-1. Returns the
+        logits [sentences, P, vocab]."""
+        state = {}
+        logits, _ = self.forward(tokens, incremental_state=state)
+        layer_caches = self.get_incremental_state(state, "cache")
+        for i in range(len(self.layers)):
+            entry = layer_caches["layer{}".format(i)]
+            cache.prefill(i, entry["k"], entry["v"])
+        return logits
+
+    def decode_step(self, tokens, cache):
+        """One step of incremental decoding on preallocated caches (ls_fairseq.generation), as
+        LSTransformerDecoder.decode_step: ``tokens`` [N, 1] at the cache's step; returns the logits [N, vocab]."""
+        positions = (cache.t + (self.padding_idx + 1)).expand(tokens.shape).contiguous()
+        x = self._embed(tokens, positions, self.padding_idx + cache.capacity)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_step(x, cache, i)
+        if self.layer_norm is not None:
+            x = ops.layer_norm(x, self.layer_norm.weight, self.layer_norm.bias)
+        if self.project_out_dim is not None:
+            x = ops.linear(x, self.project_out_dim.weight)
+        return self.output_layer(x)[:, 0]
+
     def reorder_incremental_state(self, incremental_state, new_order):
         cache = self.get_incremental_state(incremental_state, "cache")
         if cache is None:
@@ -317,8 +341,10 @@ def _right_padded(task):
     return isinstance(task, LanguageModelingTask)
 
 
-@architecture("ls_transformer_lm")
 def base_lm_architecture(args):
+    """Stock's base_lm_architecture, which every named architecture chains to. Like stock's, it is not
+    --arch ls_transformer_lm's: that one is the model's own name, whose defaults are the dataclass's
+    (fairseq registers it so; post-LN there, as stock's --arch transformer_lm)."""
     args.dropout = safe_getattr(args, "dropout", 0.1)
     args.attention_dropout = safe_getattr(args, "attention_dropout", 0.0)
     args.activation_dropout = safe_getattr(args, "activation_dropout", 0.0)
