@@ -25,7 +25,7 @@ def lm_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("lm")
     text = root / "text"
     text.mkdir()
-    for split, n in {"train": 2000, "valid": 100, "test": 100}.items():
+    for split, n in {"train": 2000, "valid": 100, "test": 300}.items():
         with gzip.open(os.path.join(REPO, "data", "lohelp", "{}.de.gz".format(split)), "rt", encoding="utf-8") as f:
             (text / "{}.txt".format(split)).write_text("".join(next(f) for _ in range(n)), encoding="utf-8")
     work = root / "work"
@@ -77,22 +77,29 @@ def test_conversion_back_from_stock_gives_the_same_weights(trained, tmp_path):
     proc = run([sys.executable, "-m", "ls_fairseq.convert", "from-fairseq", str(stock_ckpt), str(back)])
     assert proc.returncode == 0, proc.stderr
     original, again = load_checkpoint(str(ls_ckpt)), load_checkpoint(str(back))
-    assert again["cfg"]["model"]["arch"] == "ls_transformer_lm_gpt2_tiny"
-    assert load_checkpoint(str(stock_ckpt))["cfg"]["model"]["arch"] == "transformer_lm_gpt2_tiny"
+    assert again["cfg"]["model"]["_name"] == "ls_transformer_lm_gpt2_tiny"
+    assert load_checkpoint(str(stock_ckpt))["cfg"]["model"]["_name"] == "transformer_lm_gpt2_tiny"
     assert set(original["model"]) == set(again["model"])
     for name, value in original["model"].items():
         assert torch.equal(value, again["model"][name]), name
 
 
 def generate(data, checkpoint, *options):
-    """fairseq-generate's hypotheses (H lines by sample id) on the test split's sentences, each prompted by
-    its first 3 tokens."""
+    """fairseq-generate's hypotheses (H lines by sample id) on the test split's blocks of whole sentences, each
+    prompted by its first 3 tokens. (--sample-break-mode eos fails in fairseq-fixed on numpy 2: np.compat.long;
+    with none a block may start at a sentence's last tokens, and stock's beam search fails where the prompt
+    holds an EOS: its "assert step < max_len".)"""
     proc = run([bin_path("fairseq-generate"), str(data), "--path", str(checkpoint), "--user-dir", USER_DIR, "--cpu",
-                "--task", "language_modeling", "--gen-subset", "test", "--sample-break-mode", "eos",
-                "--tokens-per-sample", "64", "--prefix-size", "3", "--max-len-b", "12", "--batch-size", "16"]
+                "--task", "language_modeling", "--gen-subset", "test", "--sample-break-mode", "complete",
+                "--tokens-per-sample", "32", "--prefix-size", "3", "--max-len-b", "12", "--batch-size", "16",
+                "--skip-invalid-size-inputs-valid-test"]
                + list(options))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    hyps = dict(line.split("\t", 1) for line in proc.stdout.splitlines() if line.startswith("H-"))
+    hyps = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("H-"):
+            key, score, text = line.split("\t", 2)
+            hyps[key] = (float(score), text)
     return hyps, proc.stderr
 
 
@@ -101,20 +108,24 @@ def test_generate_equals_stock_on_the_converted_model(lm_data, trained, options)
     ls_ckpt, stock_ckpt = trained
     ours, log = generate(lm_data, ls_ckpt, *options)
     theirs, _ = generate(lm_data, stock_ckpt, *options)
-    assert len(ours) == 100, log[-2000:]  # every prompt of the test split
-    assert ours == theirs
-    assert "fairseq's generator for ls_transformer_lm" in log
+    assert len(ours) >= 100, log[-2000:]  # every block of the test split
+    assert set(ours) == set(theirs)
+    for key, (score, text) in ours.items():  # the same tokens; the scores as two fp32 models' agree
+        assert text == theirs[key][1] and abs(score - theirs[key][0]) <= 1e-4, (key, ours[key], theirs[key])
+    assert "ls_fairseq: beam search on the device" in log
 
 
-def test_sampling_draws_the_stock_models_samples(lm_data, trained):
-    """--sampling through fairseq's generator: with the same seed the same draws as the stock model, except
-    where the two models' log-probabilities (equal to ~1e-7) straddle a draw: allow 2 of 100."""
+def test_sampling_continues_every_prompt_as_stock_does(lm_data, trained):
+    """--sampling: the device generator on the ls model and fairseq's on the stock one, 100 prompts or more:
+    each prompt kept, samples continuing it (the two draw differently: ls_fairseq.generation's own draw,
+    whose distribution tests/test_generate.py checks with a chi-square test)."""
     ls_ckpt, stock_ckpt = trained
     options = ["--beam", "1", "--sampling", "--sampling-topk", "20", "--temperature", "0.8", "--seed", "5"]
     ours, _ = generate(lm_data, ls_ckpt, *options)
     theirs, _ = generate(lm_data, stock_ckpt, *options)
-    assert set(ours) == set(theirs) and len(ours) == 100
-    assert sum(ours[k] != theirs[k] for k in ours) <= 2
+    assert set(ours) == set(theirs) and len(ours) >= 100
+    for key in ours:
+        assert ours[key][1].split()[:3] == theirs[key][1].split()[:3], key
 
 
 def test_ls_fairseq_train_trains_a_language_model(lm_data, tmp_path):
