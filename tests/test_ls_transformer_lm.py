@@ -224,3 +224,59 @@ def test_the_language_modeling_task_builds_the_device_generator():
     lm_task.output_dictionary = lm_task.dictionary = task.target_dictionary
     gen = lm_task.build_generator([ls], argparse.Namespace(beam=2, sampling=False))
     assert isinstance(gen, LSSequenceGenerator)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_training_step_in_each_precision_is_near_fp64(variant, dtype):
+    """On the GPU (fused kernels; gelu_accurate on its reference): the loss and gradients in ``dtype``
+    against fp64 on the same weights, within a bound scaled to the dtype's rounding (the model's ops in
+    16 bits against stock's own error in the same precision would be the sharper check; this one
+    catches a wrong kernel path)."""
+    _, ls, task = build_lm_pair(torch.float64, **VARIANTS[variant])
+    low = LSTransformerLanguageModel.build_model(ls_args_for(VARIANTS[variant]), task)
+    low.load_state_dict(ls.state_dict())
+    ls, low = ls.cuda().train(), low.cuda().to(dtype).train()
+    sample = lm_sample(task.source_dictionary)
+    sample = dict(sample, net_input={k: v.cuda() for k, v in sample["net_input"].items()}, target=sample["target"].cuda())
+    crit = LSLabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.0)
+    losses = []
+    for model in (ls, low):
+        loss, _, _ = crit(model, sample)
+        loss.backward()
+        losses.append(loss.double().item())
+    bound = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}[dtype]
+    assert abs(losses[1] - losses[0]) <= bound * abs(losses[0])
+    for (name, p), q in zip(ls.named_parameters(), low.parameters()):
+        err = (q.grad.double() - p.grad).abs().max().item()
+        assert err <= bound * p.grad.abs().max().item() + 1e-6, (name, err)
+
+
+def ls_args_for(overrides):
+    args = argparse.Namespace(**lm_args(**overrides))
+    ls_base(args)
+    return args
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [dict(beam_size=4, max_len_b=12), dict(beam_size=1, max_len_b=30)])
+def test_gpu_generation_with_graphs_equals_the_cpus(options):
+    """The device generator on the GPU (prefill, then the ordinary steps from CUDA graphs) gives the CPU's
+    hypotheses, fp32."""
+    from test_generate import assert_same_nbest
+
+    from ls_fairseq.generation import LSSequenceGenerator
+
+    _, ls, task = build_lm_pair(torch.float32, **VARIANTS["gelu learned shared layernorm-embedding"])
+    ls.eval()
+    d = task.target_dictionary
+    sample, prefix = prompts(d)
+    cpu = LSSequenceGenerator([ls], d, **options).generate([ls], sample, prefix_tokens=prefix, bos_token=d.eos())
+    ls.cuda()
+    gpu_sample = dict(sample, net_input={k: v.cuda() for k, v in sample["net_input"].items()})
+    gen = LSSequenceGenerator([ls], d, **options)
+    for _ in range(2):  # the second batch replays the first one's graphs
+        gpu = gen.generate([ls], gpu_sample, prefix_tokens=prefix.cuda(), bos_token=d.eos())
+        assert_same_nbest(dict(enumerate(cpu)), {i: [{k: v.cpu() if torch.is_tensor(v) else v for k, v in h.items()}
+                                                    for h in hypos] for i, hypos in enumerate(gpu)})

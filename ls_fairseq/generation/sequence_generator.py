@@ -1,4 +1,4 @@
-"""Beam search for ls_transformer with every decision on the device.
+"""Beam search for ls_transformer and ls_transformer_lm with every decision on the device.
 
 The search is fairseq's SequenceGenerator with BeamSearch (fairseq/sequence_generator.py), step
 for step: 2 x beam candidates per sentence from the cumulative scores, the end-of-sentence ones
@@ -36,6 +36,13 @@ which fairseq's --seed seeds, or the ``generator`` given. A hypothesis that draw
 (score its cumulative log-probability, with the length penalty) and runs on as a dead one (score
 -inf) that never finishes again; a sentence is done with beam finished samples, given back best
 first.
+
+A decoder-only model (ls_transformer_lm, --task language_modeling, whose prompts come as prefix
+tokens) has no encoder and no cross-attention in its cache. Its prompt is prefilled: the leading
+columns that every row's prompt fills (no padding, no EOS) run through the decoder in one pass, their
+keys and values written into every beam's slot and their forced log-probabilities added as fairseq's
+forced steps add them; the search then starts at the step after them (longer prompts' remaining
+tokens forced step by step, as fairseq does).
 
 Two deliberate differences, both where fairseq's own results are not defined by its search:
 - the order among candidates of exactly equal score (fairseq's is torch.topk's, unspecified;

@@ -318,14 +318,15 @@ class LSTransformerLanguageModel(FairseqLanguageModel):
         return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
     def training_flops(self, sample):
-        """Model FLOPs of a training step on ``sample`` (host-side shapes only): per token 6 x (the
-        layers' GEMMs 4 d^2 + 2 d f, causal attention's scores and context 2 T d counted over the whole
-        block as ls_fairseq.flops counts a decoder's, the output projection d V)."""
+        """Model FLOPs of a training step on ``sample`` (host-side shapes only): per token 3 x 2 x the
+        multiply-adds of the layers' GEMMs (4 d^2 + 2 d f), of causal attention's scores and context
+        (T d: T/2 keys on average, two products; recipes/lm/bench.py counts the same) and of the output
+        projection (d V)."""
         decoder = self.decoder
         layer = decoder.layers[0]
         dim, ffn = layer.fc1.in_features, layer.fc1.out_features
         T = sample["target"].shape[1]
-        per_layer = 4 * dim * dim + 2 * dim * ffn + 2 * T * dim
+        per_layer = 4 * dim * dim + 2 * dim * ffn + T * dim
         per_token = 3 * 2 * (len(decoder.layers) * per_layer + decoder.output_projection.in_features
                              * decoder.output_projection.out_features)
         return per_token * sample["ntokens"]
