@@ -280,3 +280,46 @@ def test_gpu_generation_with_graphs_equals_the_cpus(options):
         gpu = gen.generate([ls], gpu_sample, prefix_tokens=prefix.cuda(), bos_token=d.eos())
         assert_same_nbest(dict(enumerate(cpu)), {i: [{k: v.cpu() if torch.is_tensor(v) else v for k, v in h.items()}
                                                     for h in hypos] for i, hypos in enumerate(gpu)})
+
+
+@pytest.mark.parametrize("options", [dict(sampling_topk=10), dict(sampling_topp=0.8, temperature=0.7)],
+                         ids=["top-k", "top-p-temperature"])
+def test_sampling_after_a_prefill_follows_the_models_distribution(options):
+    """The chi-square test of tests/test_generate.py for a language model: 100,000 tokens drawn after one
+    prefilled prompt (1,000 copies, beam 100) against the model's next-token distribution after the
+    temperature, the padding mask and the top-k / top-p cut (from the full forward of the prompt)."""
+    from test_generate import chi_square
+
+    from ls_fairseq.generation import LSSequenceGenerator
+
+    _, ls, task = build_lm_pair(torch.float32, **VARIANTS["gelu learned shared layernorm-embedding"])
+    ls.eval()
+    d = task.target_dictionary
+    prompt = torch.randint(d.nspecial, len(d), (1, 3), generator=torch.Generator().manual_seed(7))
+    copies, beam = 1000, 100
+    src = torch.cat([torch.full((1, 1), d.eos()), prompt], dim=1).repeat(copies, 1)
+    sample = {"id": torch.arange(copies), "net_input": {"src_tokens": src, "src_lengths": torch.full((copies,), 4)}}
+    gen = LSSequenceGenerator([ls], d, beam_size=beam, max_len_b=4, sampling=True,
+                              generator=torch.Generator().manual_seed(12345), **options)
+    counts = torch.zeros(len(d), dtype=torch.float64)
+    for hypos in gen.generate([ls], sample, prefix_tokens=prompt.repeat(copies, 1), bos_token=d.eos()):
+        assert len(hypos) == beam and all(torch.equal(h["tokens"][:3], prompt[0]) for h in hypos)
+        counts += torch.bincount(torch.stack([h["tokens"][3] for h in hypos]), minlength=len(d)).double()
+    with torch.no_grad():
+        logits = ls(src[:1])[0][0, -1] / options.get("temperature", 1.0)
+    lprobs = torch.log_softmax(logits.float(), dim=-1)
+    lprobs[d.pad()] = -float("inf")
+    # the kept set as fairseq's Sampling cuts it: the top k, or the smallest most likely set reaching p
+    weights = lprobs.exp()
+    order = weights.argsort(descending=True)
+    if "sampling_topp" in options:
+        mass = weights[order].cumsum(0)
+        kept = order[torch.cat([torch.ones(1, dtype=torch.bool), mass[:-1] < options["sampling_topp"]])]
+    else:
+        kept = order[: options["sampling_topk"]]
+    n = copies * beam
+    outside = torch.ones(len(d), dtype=torch.bool)
+    outside[kept] = False
+    assert counts.sum() == n and counts[outside].sum() == 0
+    p, dof = chi_square(counts[kept], n * weights[kept].double() / weights[kept].sum())
+    assert p > 0.001, (p, dof)
