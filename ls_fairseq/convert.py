@@ -1,4 +1,5 @@
-"""Convert checkpoints between ls_transformer and fairseq's transformer, and to CTranslate2.
+"""Convert checkpoints between ls_transformer and fairseq's transformer (ls_transformer_lm and
+fairseq's transformer_lm likewise), and to CTranslate2.
 
   python -m ls_fairseq.convert to-fairseq   IN.pt OUT.pt   # ls -> stock (loads without the plugin)
   python -m ls_fairseq.convert from-fairseq IN.pt OUT.pt   # stock -> ls (fine-tune with the plugin)
@@ -62,7 +63,25 @@ STOCK_ARCHS = (
     "transformer_wmt_en_de_big",
     "transformer_wmt_en_de_big_t2t",
 )
-RENAMED = {"criterion": ("label_smoothed_cross_entropy",), "optimizer": ("adam",), "arch": STOCK_ARCHS}
+# fairseq's transformer_lm architectures that ls_transformer_lm has (adaptive wiki103/gbw ones: not)
+STOCK_LM_ARCHS = (
+    "transformer_lm",
+    "transformer_lm_big",
+    "transformer_lm_gpt",
+    "transformer_lm_gpt2_small",
+    "transformer_lm_gpt2_tiny",
+    "transformer_lm_gpt2_medium",
+    "transformer_lm_gpt2_big",
+    "transformer_lm_gpt3_small",
+    "transformer_lm_gpt3_medium",
+    "transformer_lm_gpt3_large",
+    "transformer_lm_gpt3_xl",
+    "transformer_lm_gpt3_2_7",
+    "transformer_lm_gpt3_6_7",
+    "transformer_lm_gpt3_13",
+    "transformer_lm_gpt3_175",
+)
+RENAMED = {"criterion": ("label_smoothed_cross_entropy",), "optimizer": ("adam",), "arch": STOCK_ARCHS + STOCK_LM_ARCHS}
 # stock model options ls_transformer cannot honour: converting such a model would change it
 UNSUPPORTED_IF_SET = (
     "adaptive_softmax_cutoff",
@@ -114,11 +133,11 @@ def _convert_model_cfg(model_cfg, to_ls):
     if target == arch:
         raise ConversionError(
             "architecture {!r} has no {} counterpart; supported: {}".format(
-                arch, "ls_transformer" if to_ls else "stock transformer", ", ".join(STOCK_ARCHS)
+                arch, "ls_transformer" if to_ls else "stock transformer", ", ".join(STOCK_ARCHS + STOCK_LM_ARCHS)
             )
         )
     if to_ls:
-        used = [k for k in UNSUPPORTED_IF_SET if cfg.get(k)]
+        used = [k for k in _unsupported_options(target) if cfg.get(k)]
         if used:
             raise ConversionError("ls_transformer does not support these options of this model: {}".format(used))
     for key in ("arch", "_name"):
@@ -203,6 +222,35 @@ def model_from_fairseq(state):
     return out
 
 
+def is_language_model(model_state):
+    """Whether a state dict (ls or stock) is a decoder-only language model's: it has no encoder."""
+    return not any(k.startswith("encoder.") for k in model_state)
+
+
+def lm_model_to_fairseq(state):
+    """ls_transformer_lm state dict -> fairseq transformer_lm state dict (new tensors): the q, k, v
+    projections split as model_to_fairseq splits them; only the decoder has a version entry."""
+    out = model_to_fairseq(state)
+    del out["encoder.version"]
+    return out
+
+
+def _convert_model(state, to_ls):
+    if to_ls:  # a language model's state has no cross-attention, which model_from_fairseq leaves as it is
+        return model_from_fairseq(state)
+    return lm_model_to_fairseq(state) if is_language_model(state) else model_to_fairseq(state)
+
+
+def _unsupported_options(ls_arch):
+    """The stock options that the ls model of ``ls_arch`` cannot honour when set (converting such a model
+    would change it): ls_transformer_lm's refused ones for language models."""
+    if ls_arch in {LS + a for a in STOCK_LM_ARCHS}:
+        from ls_fairseq.models.ls_transformer_lm import REFUSED
+
+        return tuple(REFUSED)
+    return UNSUPPORTED_IF_SET
+
+
 def convert(state, to_ls):
     """Convert a whole checkpoint dict; returns a new dict."""
     if state.get("cfg") is None:
@@ -220,7 +268,7 @@ def convert(state, to_ls):
     out = {
         "args": None,
         "cfg": _convert_cfg(cfg, to_ls),
-        "model": model_from_fairseq(state["model"]) if to_ls else model_to_fairseq(state["model"]),
+        "model": _convert_model(state["model"], to_ls),
         "criterion": state.get("criterion"),
         "optimizer_history": [_convert_history(h, to_ls) for h in state.get("optimizer_history", [])[-1:]],
         "task_state": state.get("task_state", {}),

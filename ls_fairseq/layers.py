@@ -147,7 +147,8 @@ class EncoderLayer(_Layer):
     ops.AttentionMask (``ops.AttentionMask(key_padding_mask)``, True at padding; or None)."""
 
     def __init__(self, embed_dim, num_heads, ffn_dim, **kwargs):
-        """Keyword options: normalize_before (False), activation_fn ("relu" or "gelu", the exact erf form),
+        """Keyword options: normalize_before (False), activation_fn ("relu", "gelu", the exact erf form, or
+        "gelu_accurate", the tanh form),
         layer_norm_eps (1e-5), dropout, attention_dropout, activation_dropout (0.0), deterministic (False:
         bit-identical reruns on the GPU), fp8 (an ops.Fp8Recipe or None)."""
         super().__init__(embed_dim, num_heads, ffn_dim, gemms=_LAYER_GEMMS, **kwargs)
@@ -204,6 +205,8 @@ class DecoderLayer(_Layer):
         ctx = cache.attend(index, q, k, v, attn.qkv_proj.bias, attn.scaling)
         x = self._block_output(ops.linear(ctx, attn.out_proj.weight, heads=True), attn.out_proj.bias, x,
                                self.self_attn_layer_norm, residual)
+        if self.encoder_attn is None:  # a decoder-only layer
+            return self._ffn(x)
         attn = self.encoder_attn
         h, residual, _ = self._block_input(x, self.encoder_attn_layer_norm)
         enc_k, enc_v, enc_mask = cache.encoder(index)

@@ -7,7 +7,15 @@ from ls_fairseq import ops
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout_backward_reference, bias_act_dropout_forward_reference
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def gelu_accurate(x):
+    """fairseq's gelu_accurate (the tanh form; Hugging Face's gelu_new), as torch's tanh-approximate gelu."""
+    return F.gelu(x, approximate="tanh")
+
+
+FAIRSEQ_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_accurate": gelu_accurate}
+
+
+@pytest.mark.parametrize("activation", list(FAIRSEQ_ACTIVATIONS))
 @pytest.mark.parametrize("shape", [(1, 1), (7, 3), (2, 5, 1030)])
 @pytest.mark.parametrize("p", [0.0, 0.2])
 def test_matches_fairseq_activation(activation, shape, p):
@@ -15,20 +23,49 @@ def test_matches_fairseq_activation(activation, shape, p):
     b = torch.randn(shape[-1], dtype=torch.float64, requires_grad=True)
     mask = keep_mask(shape, p) if p else None
     out = ops.bias_act_dropout(x, b, activation, p, True, mask)
-    # fairseq's relu, and its gelu (F.gelu, the exact erf form) evaluated in fp64
-    ref = (F.relu if activation == "relu" else F.gelu)(x + b) * (mask.double() / (1 - p) if p else 1)
+    # fairseq's relu, its gelu (F.gelu, the exact erf form) and gelu_accurate (tanh) evaluated in fp64
+    ref = FAIRSEQ_ACTIVATIONS[activation](x + b) * (mask.double() / (1 - p) if p else 1)
     assert_close(out, ref)
     dout = torch.randn_like(out)
     for g, e in zip(grads(out, (x, b), dout), grads(ref, (x, b), dout)):
         assert_close(g, e, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("activation", list(FAIRSEQ_ACTIVATIONS))
 def test_gradcheck(activation):
     x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
     b = torch.randn(6, dtype=torch.float64, requires_grad=True)
     mask = keep_mask((4, 6), 0.25)
     assert torch.autograd.gradcheck(lambda x, b: ops.bias_act_dropout(x, b, activation, 0.25, True, mask), (x, b))
+
+
+def test_gelu_accurate_is_fairseqs_formula():
+    """The tanh form as fairseq's gelu_accurate writes it (0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))))."""
+    from fairseq.modules.gelu import gelu_accurate as fairseq_gelu_accurate
+
+    x = torch.linspace(-8, 8, 1001, dtype=torch.float64)
+    assert_close(ops.bias_act_dropout(x[None], torch.zeros(1001, dtype=torch.float64), "gelu_accurate", 0.0, True),
+                 fairseq_gelu_accurate(x)[None], rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_gelu_accurate_takes_the_reference_on_the_gpu(p):
+    """No kernel has gelu_accurate: on CUDA tensors its forward and backward are the references' (bit for bit),
+    the other activations still the kernels'."""
+    from ls_fairseq.ops import bias_act_dropout as module
+
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    b = torch.randn(256, device="cuda", requires_grad=True)
+    mask = keep_mask((64, 256), p, "cuda") if p else None
+    out = ops.bias_act_dropout(x, b, "gelu_accurate", p, True, mask)
+    ref, _ = bias_act_dropout_forward_reference(x.detach(), b.detach(), "gelu_accurate", p, mask)
+    assert torch.equal(out, ref)
+    dout = torch.randn_like(out)
+    dx, db = grads(out, (x, b), dout)
+    rx, rb = bias_act_dropout_backward_reference(dout, x.detach(), b.detach(), mask, "gelu_accurate", p)
+    assert torch.equal(dx, rx) and torch.equal(db, rb)
+    assert module._route(x, "gelu") is module.BIAS_ACT_DROPOUT_ROUTE.kernel
 
 
 def test_unknown_activation_is_named():

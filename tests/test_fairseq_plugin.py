@@ -119,6 +119,7 @@ def test_only_install_changes_fairseq_and_torch_and_it_makes_the_listed_patches(
 
         listed = [key(p) for p in fairseq_plugin.patches()]
         from ls_fairseq.models.ls_transformer import ARCHITECTURES
+        from ls_fairseq.models.ls_transformer_lm import ARCHITECTURES as LM_ARCHITECTURES
         print(json.dumps({
             "modules": len(modules),
             "at_import": sorted(map(list, attributes.changes(before, imported))),
@@ -126,7 +127,8 @@ def test_only_install_changes_fairseq_and_torch_and_it_makes_the_listed_patches(
             "again": sorted(map(list, attributes.changes(installed, again))),
             "trainer": sorted(map(list, attributes.changes(again, with_trainer))),
             "listed": sorted(listed), "whys": [p.why for p in fairseq_plugin.patches(ls_trainer=True)],
-            "names": ["ls_transformer", "ls_label_smoothed_cross_entropy", "ls_adam"] + sorted(ARCHITECTURES),
+            "names": ["ls_transformer", "ls_transformer_lm", "ls_label_smoothed_cross_entropy", "ls_adam"]
+                     + sorted(ARCHITECTURES) + sorted(LM_ARCHITECTURES),
             "safe_globals": sorted(map(repr, set(torch.serialization.get_safe_globals()) - safe)),
             "trainer_is": repr(fairseq_cli.train.Trainer),
         }))
@@ -137,7 +139,7 @@ def test_only_install_changes_fairseq_and_torch_and_it_makes_the_listed_patches(
     patched = [k for k in out["at_install"] if "[" not in k[1]]
     # install(): the listed patches, torch's safe-globals set, and the registrations of the plugin's names
     assert sorted(patched) == sorted(out["listed"] + [["torch._weights_only_unpickler", "_marked_safe_globals_set"]])
-    assert len(out["listed"]) == 11 and all(len(why) > 30 for why in out["whys"])
+    assert len(out["listed"]) == 12 and all(len(why) > 30 for why in out["whys"])
     assert registry and all(any("['{}']".format(n) in k[1] for n in out["names"]) for k in registry)
     registered = {n for n in out["names"] if any("['{}']".format(n) in k[1] for k in registry)}
     assert registered == set(out["names"])

@@ -153,3 +153,45 @@ def test_the_reference_names_every_registered_architecture():
     table = reference_section("## Registered names", "## Options")
     for name in ARCHS + ["ls_label_smoothed_cross_entropy", "ls_adam", "LSSequenceGenerator", "ls-fairseq-train"]:
         assert "`{}`".format(name) in table, name
+
+
+LM_ARCHS = [
+    "ls_transformer_lm_big", "ls_transformer_lm_gpt", "ls_transformer_lm_gpt2_tiny", "ls_transformer_lm_gpt2_small",
+    "ls_transformer_lm_gpt2_medium", "ls_transformer_lm_gpt2_big", "ls_transformer_lm_gpt3_small",
+    "ls_transformer_lm_gpt3_medium", "ls_transformer_lm_gpt3_large", "ls_transformer_lm_gpt3_xl",
+    "ls_transformer_lm_gpt3_2_7", "ls_transformer_lm_gpt3_6_7", "ls_transformer_lm_gpt3_13", "ls_transformer_lm_gpt3_175",
+]
+
+
+@pytest.mark.parametrize("arch", LM_ARCHS)
+def test_language_model_architectures_take_their_fairseq_namesakes_hyper_parameters(arch):
+    """Every option both set, equal (pre-LN always, as stock's base_lm_architecture sets it)."""
+    import argparse
+
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    assert ARCH_MODEL_REGISTRY[arch] is MODEL_REGISTRY["ls_transformer_lm"]
+    ours, stock = argparse.Namespace(), argparse.Namespace()
+    ARCH_CONFIG_REGISTRY[arch](ours)
+    ARCH_CONFIG_REGISTRY[arch[len("ls_"):]](stock)
+    shared = set(vars(ours)) & set(vars(stock))
+    assert {"decoder_embed_dim", "decoder_ffn_embed_dim", "decoder_layers", "decoder_attention_heads", "dropout",
+            "attention_dropout", "activation_fn", "decoder_normalize_before", "decoder_learned_pos",
+            "share_decoder_input_output_embed", "decoder_input_dim", "decoder_output_dim", "no_decoder_final_norm",
+            "layernorm_embedding", "no_scale_embedding", "adaptive_input", "decoder_layerdrop"} <= shared
+    for key in shared:
+        assert getattr(stock, key) == getattr(ours, key), (arch, key)
+    assert ours.decoder_normalize_before is True
+
+
+def test_the_model_named_arch_takes_the_dataclass_defaults_as_stocks():
+    """--arch ls_transformer_lm / transformer_lm: the model's own name, the dataclass's defaults (fairseq's
+    registration), the same on both sides for every option both have."""
+    from fairseq.models import MODEL_DATACLASS_REGISTRY
+
+    ours, stock = MODEL_DATACLASS_REGISTRY["ls_transformer_lm"](), MODEL_DATACLASS_REGISTRY["transformer_lm"]()
+    names = {f for f in ours.__dataclass_fields__} & {f for f in stock.__dataclass_fields__}
+    assert {"decoder_embed_dim", "decoder_normalize_before", "activation_fn", "dropout"} <= names
+    for name in names:
+        mine, theirs = getattr(ours, name), getattr(stock, name)
+        assert str(mine) == str(theirs), (name, mine, theirs)

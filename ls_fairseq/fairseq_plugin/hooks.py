@@ -25,8 +25,8 @@ def checked_load_indexed_dataset(load):
 
 
 def ls_build_generator(stock):
-    """``TranslationTask.build_generator`` that returns ``LSSequenceGenerator`` where it can stand in
-    for fairseq's generator, else ``stock``'s (ls_fairseq.generation)."""
+    """``TranslationTask.build_generator`` (and LanguageModelingTask's) that returns ``LSSequenceGenerator``
+    where it can stand in for fairseq's generator, else ``stock``'s (ls_fairseq.generation)."""
 
     @functools.wraps(stock)
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):

@@ -14,6 +14,8 @@ Patch = namedtuple("Patch", "owner name wrap why")
 # (fairseq registry, name, the module and attribute of the class, the attribute of its dataclass)
 REGISTRATIONS = (
     ("model", "ls_transformer", "ls_fairseq.models.ls_transformer", "LSTransformerModel", None),
+    ("model", "ls_transformer_lm", "ls_fairseq.models.ls_transformer_lm", "LSTransformerLanguageModel",
+     "LSTransformerLanguageModelConfig"),
     ("criterion", "ls_label_smoothed_cross_entropy", "ls_fairseq.criterions.ls_label_smoothed_cross_entropy",
      "LSLabelSmoothedCrossEntropyCriterion", "LSLabelSmoothedCrossEntropyCriterionConfig"),
     ("optimizer", "ls_adam", "ls_fairseq.optim.ls_adam", "LSAdam", "LSAdamConfig"),
@@ -27,6 +29,7 @@ def patches(ls_trainer=False):
     from fairseq import checkpoint_utils
     from fairseq.data import data_utils
     from fairseq.data.iterators import EpochBatchIterator
+    from fairseq.tasks.language_modeling import LanguageModelingTask
     from fairseq.tasks.translation import TranslationTask
     from fairseq.trainer import Trainer
 
@@ -48,6 +51,9 @@ def patches(ls_trainer=False):
               "token ids outside the dictionary fail at load, naming the file, not inside a GPU gather"),
         Patch(TranslationTask, "build_generator", hooks.ls_build_generator,
               "fairseq-generate/interactive translate an ls_transformer with the device beam search"),
+        Patch(LanguageModelingTask, "build_generator", hooks.ls_build_generator,
+              "fairseq-generate/interactive --task language_modeling sample an ls_transformer_lm on the device, "
+              "its prompt prefilled in one pass"),
         Patch(torch.cuda, "reset_peak_memory_stats", hooks.keep_peak_at_resets,
               "fairseq's trainer resets the peak every update; the logged gpu_peak_gib keeps it first"),
         Patch(EpochBatchIterator, "first_batch", hooks.first_batch_once,

@@ -3,7 +3,8 @@
 fairseq takes the task from the command line (default ``translation``), so a task of our own would
 need ``--task`` on every command. Instead, the fairseq plugin (ls_fairseq.fairseq_plugin) wraps
 ``TranslationTask.build_generator``, which fairseq-generate, fairseq-interactive, the hub interface
-and --eval-bleu all call: when the one model is an ls_transformer and every generation option is
+and --eval-bleu all call (and ``LanguageModelingTask.build_generator`` likewise, for ls_transformer_lm:
+--task language_modeling): when the one model is an ls model and every generation option is
 one that ``LSSequenceGenerator`` implements, it returns that generator (logging one line saying
 so: beam search or sampling); otherwise fairseq's own generator, with one line naming the reason. Tasks derived from
 TranslationTask that define their own build_generator are left as they are.
@@ -28,11 +29,12 @@ _OFF = {
 def unsupported(models, args, tgt_dict, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
     """Why LSSequenceGenerator cannot stand in for fairseq's generator here (None: it can)."""
     from ls_fairseq.models.ls_transformer import LSTransformerModel
+    from ls_fairseq.models.ls_transformer_lm import LSTransformerLanguageModel
 
     if len(models) != 1:
         return "an ensemble of {} models".format(len(models))
-    if not isinstance(models[0], LSTransformerModel):
-        return "the model is {}, not ls_transformer".format(type(models[0]).__name__)
+    if not isinstance(models[0], (LSTransformerModel, LSTransformerLanguageModel)):
+        return "the model is {}, not ls_transformer or ls_transformer_lm".format(type(models[0]).__name__)
     for name, off in _OFF.items():
         value = getattr(args, name, off)
         if value != off and value is not None:

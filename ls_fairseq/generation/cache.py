@@ -23,28 +23,36 @@ from ls_fairseq.ops.decode_attention import decode_attention
 
 
 class DecoderCache:
-    def __init__(self, decoder, encoder_out, beam_size, capacity, limit=None, buffers=None):
+    def __init__(self, decoder, encoder_out, beam_size, capacity, limit=None, buffers=None, sentences=None):
         """``buffers``: a generation.graphs.Buffers that the first buffers come from (so that a batch
-        of the same shapes as the last one reuses them), or None for new ones."""
+        of the same shapes as the last one reuses them), or None for new ones. ``encoder_out`` None: a
+        decoder-only model (ls_transformer_lm) of ``sentences`` sentences, self-attention alone."""
         self.beam_size = beam_size
-        self.encoder_kv = list(decoder._encoder_keys_values(encoder_out))
-        padding = encoder_out["encoder_padding_mask"]
-        self.encoder_padding = padding[0] if padding else None
-        B, H, _, D = self.encoder_kv[0].shape
-        N = B * beam_size
+        if encoder_out is None:
+            self.encoder_kv, self.encoder_padding = [], None
+            attn = decoder.layers[0].self_attn
+            weight = attn.qkv_proj.weight
+            B, H, D = sentences, attn.num_heads, weight.shape[1] // attn.num_heads
+        else:
+            self.encoder_kv = list(decoder._encoder_keys_values(encoder_out))
+            padding = encoder_out["encoder_padding_mask"]
+            self.encoder_padding = padding[0] if padding else None
+            weight = self.encoder_kv[0]
+            B, H, _, D = weight.shape
+        shape = (B * beam_size, H, D, len(decoder.layers), weight.dtype, weight.device)
         if buffers is None:
             self.encoder_mask = ops.AttentionMask(self.encoder_padding)
-            first = self.encoder_kv[0]
-            self.kv = [first.new_empty(capacity, 2, N, H, D) for _ in range(len(self.encoder_kv) // 2)]
-            self.origin = torch.zeros(N, capacity, dtype=torch.int32, device=first.device)
-            self.slots = torch.arange(N, dtype=torch.int32, device=first.device)
+            N, H, D, layers, dtype, device = shape
+            self.kv = [torch.empty(capacity, 2, N, H, D, dtype=dtype, device=device) for _ in range(layers)]
+            self.origin = torch.zeros(N, capacity, dtype=torch.int32, device=device)
+            self.slots = torch.arange(N, dtype=torch.int32, device=device)
         else:
-            self._from_buffers(buffers, capacity)
+            self._from_buffers(buffers, capacity, shape)
         self.buffers = buffers
         self.limit = limit
         self.generation = 0  # how often the buffers were replaced (a CUDA graph of the step keys on it)
 
-    def _from_buffers(self, buffers, capacity):
+    def _from_buffers(self, buffers, capacity, shape):
         self.encoder_kv = [buffers.holding("encoder_kv{}".format(i), t) for i, t in enumerate(self.encoder_kv)]
         if self.encoder_padding is not None:
             self.encoder_padding = buffers.holding("encoder_padding", self.encoder_padding)
@@ -54,14 +62,19 @@ class DecoderCache:
         else:
             mask = buffers.kept["encoder_mask"] = ops.AttentionMask(self.encoder_padding)
         self.encoder_mask = mask
-        first = self.encoder_kv[0]
-        B, H, _, D = first.shape
-        N = B * self.beam_size
-        self.kv = [buffers.take("kv{}".format(i), (capacity, 2, N, H, D), first.dtype, first.device)
-                   for i in range(len(self.encoder_kv) // 2)]
-        self.origin = buffers.take("origin", (N, capacity), torch.int32, first.device).zero_()
-        self.slots = buffers.take("slots", (N,), torch.int32, first.device)
+        N, H, D, layers, dtype, device = shape
+        self.kv = [buffers.take("kv{}".format(i), (capacity, 2, N, H, D), dtype, device) for i in range(layers)]
+        self.origin = buffers.take("origin", (N, capacity), torch.int32, device).zero_()
+        self.slots = buffers.take("slots", (N,), torch.int32, device)
         torch.arange(N, dtype=torch.int32, out=self.slots)
+
+    def prefill(self, layer, k, v):
+        """``layer``'s keys and values [sentences, heads, P, d_head] of a prompt's first P positions, every
+        beam of a sentence the same, written at positions 0..P-1 of each hypothesis's own slot."""
+        P = k.shape[2]
+        for part, value in enumerate((k, v)):
+            self.kv[layer][:P, part] = value.permute(2, 0, 1, 3).repeat_interleave(self.beam_size, dim=1)
+        self.origin[:, :P] = self.slots[:, None]
 
     def encoder(self, layer):
         """(keys, values, AttentionMask) of the encoder output for ``layer``: [sentences, heads, S, d_head]."""

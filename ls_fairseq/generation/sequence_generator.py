@@ -1,4 +1,4 @@
-"""Beam search for ls_transformer with every decision on the device.
+"""Beam search for ls_transformer and ls_transformer_lm with every decision on the device.
 
 The search is fairseq's SequenceGenerator with BeamSearch (fairseq/sequence_generator.py), step
 for step: 2 x beam candidates per sentence from the cumulative scores, the end-of-sentence ones
@@ -36,6 +36,13 @@ which fairseq's --seed seeds, or the ``generator`` given. A hypothesis that draw
 (score its cumulative log-probability, with the length penalty) and runs on as a dead one (score
 -inf) that never finishes again; a sentence is done with beam finished samples, given back best
 first.
+
+A decoder-only model (ls_transformer_lm, --task language_modeling, whose prompts come as prefix
+tokens) has no encoder and no cross-attention in its cache. Its prompt is prefilled: the leading
+columns that every row's prompt fills (no padding, no EOS) run through the decoder in one pass, their
+keys and values written into every beam's slot and their forced log-probabilities added as fairseq's
+forced steps add them; the search then starts at the step after them (longer prompts' remaining
+tokens forced step by step, as fairseq does).
 
 Two deliberate differences, both where fairseq's own results are not defined by its search:
 - the order among candidates of exactly equal score (fairseq's is torch.topk's, unspecified;
@@ -251,12 +258,18 @@ class LSSequenceGenerator(nn.Module):
         deferred = self.deferred_reads if self.deferred_reads is not None else graph is not None
         buffers = self.buffers if graph is not None else None
         take = buffers.take if buffers is not None else new_tensor
-        encoder_out = self.model.encoder.forward_torchscript(net_input)
-        cache = DecoderCache(self.model.decoder, encoder_out, k, min(INITIAL_CAPACITY, max_len + 1), max_len + 1,
-                             buffers)
+        decoder_only = getattr(self.model, "encoder", None) is None  # ls_transformer_lm
+        encoder_out = None if decoder_only else self.model.encoder.forward_torchscript(net_input)
+        prefilled = self._prompt_length(prefix_tokens, max_len) if decoder_only else 0
+        cache = DecoderCache(self.model.decoder, encoder_out, k, max(min(INITIAL_CAPACITY, max_len + 1), prefilled),
+                             max_len + 1, buffers, sentences=B)
         s = _State.start(B, k, max_len + 1, device, self.pad, take, every_beam=self.sampling)
         s.tokens[:, 0] = self.eos if bos_token is None else bos_token
         parents = take("parents", (B * k,), torch.long, device).zero_()  # each hypothesis's, for the next step
+        if prefilled:
+            self._prefill(s, cache, prefix_tokens[:, :prefilled])
+            # every hypothesis holds its sentence's prompt in its own slot: the next step continues each as it is
+            torch.arange(B * k, out=parents)
         t = take("t", (), torch.long, device)  # the step, where the step's ops read it
         # step 0 reorders too (by the zeros in parents: no history to move yet), so that it is an
         # ordinary step like the later ones and shares their graph
@@ -272,7 +285,7 @@ class LSSequenceGenerator(nn.Module):
                       weights, sinusoid_tables_made())
         pending = None  # flags read where a compaction was made, consumed once the next step is launched
         scheduled = None  # the sentences to keep at the next sync point (a compaction decided at this one)
-        for step in range(max_len + 1):
+        for step in range(prefilled, max_len + 1):
             t.fill_(step)
             cache.prepare(step)
             if graph is not None and self._ordinary(step, max_len, prefix_tokens):
@@ -309,6 +322,43 @@ class LSSequenceGenerator(nn.Module):
                     s, cache, parents, prefix_tokens = self._compact(s, cache, parents, prefix_tokens, kept)
                     phase += 1
         return s
+
+    def _prompt_length(self, prefix_tokens, max_len):
+        """How many of a decoder-only model's prompt tokens ``_prefill`` forces in one pass: the leading
+        columns of ``prefix_tokens`` with no padding and no EOS in any row (a shorter prompt's sentence
+        decodes from its end on, and an EOS finishes a hypothesis: the steps do those), at most ``max_len``
+        (fairseq forces the prefix before the maximum length only). None with n-gram blocking, which may
+        bar a prompt token at a step (fairseq blocks after forcing)."""
+        if prefix_tokens is None or self.no_repeat_ngram_size > 0 or prefix_tokens.shape[1] == 0:
+            return 0
+        ordinary = host_read(prefix_tokens.ne(self.pad) & prefix_tokens.ne(self.eos)).all(0)
+        return min(int(ordinary.cumprod(0).sum()), max_len)
+
+    def _prefill(self, s, cache, prompt):
+        """Steps 0..P-1 of a decoder-only model whose tokens ``prompt`` [sentences, P] are forced, in one
+        pass of the decoder (``prefill``: the keys and values of positions 0..P-1 into every beam's slot)
+        instead of P steps: each hypothesis's tokens, positional scores and cumulative score as fairseq's
+        forced steps leave them (the forced token's log-probability after the temperature, the padding
+        and unk rules, added step by step; at step 0 beam search continues the first beam only, so the
+        other beams stay at -inf)."""
+        B, P = prompt.shape
+        k = s.beam_size
+        inputs = torch.cat([s.tokens.view(B, k, -1)[:, 0, :1], prompt[:, :-1]], dim=1)
+        logits = self.model.decoder.prefill(inputs, cache)
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        lprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)
+        torch.nan_to_num_(lprobs, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        lprobs[:, :, self.pad] = -math.inf
+        if self.unk_penalty:
+            lprobs[:, :, self.unk] -= self.unk_penalty
+        forced = lprobs.gather(2, prompt[:, :, None])[:, :, 0]
+        cum = s.cum.view(B, k)
+        scores = s.scores.view(B, k, -1)
+        for i in range(P):  # one addition a step, as the steps round them
+            cum.add_(forced[:, i : i + 1])
+            scores[:, :, i] = cum
+        s.tokens.view(B, k, -1)[:, :, 1 : P + 1] = prompt[:, None, :]
 
     def _compact(self, s, cache, parents, prefix_tokens, kept):
         """Only the sentences ``kept`` (host indices) stay in the batch, the others' results saved:

@@ -1,8 +1,11 @@
-"""out = dropout(act(x + bias)), act in {relu, gelu}: the FFN's first half.
+"""out = dropout(act(x + bias)), act in {relu, gelu, gelu_accurate}: the FFN's first half.
 
 One pass reads x and bias and writes out; x + bias, act(x + bias) and the
 keep-mask are never stored. gelu is the exact erf form that fairseq's ``gelu``
-computes.
+computes; gelu_accurate the tanh approximation of fairseq's ``gelu_accurate``
+(Hugging Face's ``gelu_new``, GPT-2's). The CUDA kernels have relu and gelu;
+gelu_accurate takes the PyTorch reference on every device (``KERNEL_ACTIVATIONS``)
+until a kernel for it has been tested on a GPU.
 
 What backward keeps (LightSeq2's backward-dependency reuse): for relu only
 ``out``, which the FFN's second GEMM keeps anyway: out > 0 exactly where
@@ -19,7 +22,10 @@ import torch
 from ls_fairseq.ops import dispatch, workspace
 from ls_fairseq.ops.dispatch import _C
 
-ACTIVATIONS = ("relu", "gelu")
+ACTIVATIONS = ("relu", "gelu", "gelu_accurate")
+KERNEL_ACTIVATIONS = ("relu", "gelu")  # those csrc/bias_act_dropout.cu implements
+_TANH_GELU_A = math.sqrt(2.0 / math.pi)
+_TANH_GELU_B = 0.044715
 
 
 def _check_activation(activation):
@@ -31,15 +37,28 @@ def _check_activation(activation):
         )
 
 
+def _route(x, activation):
+    """BIAS_ACT_DROPOUT_ROUTE's pick for ``x``, the reference for an activation the kernels lack."""
+    if activation not in KERNEL_ACTIVATIONS:
+        return BIAS_ACT_DROPOUT_ROUTE.reference
+    return BIAS_ACT_DROPOUT_ROUTE.pick(x)
+
+
 def _act(h, activation):
     if activation == "relu":
         return torch.relu(h)
+    if activation == "gelu_accurate":
+        return 0.5 * h * (1.0 + torch.tanh(_TANH_GELU_A * (h + _TANH_GELU_B * h * h * h)))
     return 0.5 * h * (1.0 + torch.erf(h * (1.0 / math.sqrt(2.0))))
 
 
 def _act_grad(h, activation):
     if activation == "relu":
         return (h > 0).to(h.dtype)
+    if activation == "gelu_accurate":
+        # d/dh [h (1 + tanh u) / 2], u = a (h + b h^3): (1 + tanh u) / 2 + h (1 - tanh^2 u) a (1 + 3 b h^2) / 2
+        t = torch.tanh(_TANH_GELU_A * (h + _TANH_GELU_B * h * h * h))
+        return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _TANH_GELU_A * (1.0 + 3.0 * _TANH_GELU_B * h * h)
     # d/dh [h * Phi(h)] = Phi(h) + h * phi(h)
     cdf = 0.5 * (1.0 + torch.erf(h * (1.0 / math.sqrt(2.0))))
     pdf = torch.exp(-0.5 * h * h) * (1.0 / math.sqrt(2.0 * math.pi))
@@ -70,7 +89,7 @@ BIAS_ACT_DROPOUT_ROUTE = dispatch.Route(
 class BiasActDropoutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, activation, p, mask):
-        fwd, bwd = BIAS_ACT_DROPOUT_ROUTE.pick(x)
+        fwd, bwd = _route(x, activation)
         x = x.contiguous()
         out, dropout = fwd(x, bias, activation, p, mask)
         ctx.bwd, ctx.activation, ctx.p, ctx.bias = bwd, activation, p, bias
@@ -114,7 +133,7 @@ def bias_act_dropout(x, bias, activation="relu", p=0.0, training=True, mask=None
 def _forward(x: torch.Tensor, bias: torch.Tensor, activation: str, p: float,
              mask: Optional[torch.Tensor]) -> torch.Tensor:
     dispatch.check_given_mask("bias_act_dropout", p, mask)
-    fwd, _ = BIAS_ACT_DROPOUT_ROUTE.pick(x)
+    fwd, _ = _route(x, activation)
     return fwd(x.contiguous(), bias, activation, p, mask)[0]
 
 
@@ -124,8 +143,8 @@ def _forward_fake(x, bias, activation, p, mask):
 
 def _backward_op(dout: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], mask: Optional[torch.Tensor],
                  activation: str, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    kernel = dispatch.use_kernel("bias_act_dropout", x)
-    _, bwd = BIAS_ACT_DROPOUT_ROUTE.pick(x)
+    kernel = dispatch.use_kernel("bias_act_dropout", x) and activation in KERNEL_ACTIVATIONS
+    _, bwd = _route(x, activation)
     return bwd(dout.contiguous(), x.contiguous(), bias, dispatch.given_dropout(kernel, mask, p), activation, p)
 
 
