@@ -311,3 +311,30 @@ def test_gpu_ls_layers_against_hfs_own_by_the_2x_rule(dtype):
         err_hf = (results["hf"][1][key] - want).abs().max().item()
         err_ls = (results["ls"][1][key] - want).abs().max().item()
         assert err_ls <= 2 * err_hf + 1e-6 * want.abs().max().item(), (key, err_ls, err_hf)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_gpu_a_tokenizers_padding_mask_takes_no_host_synchronisation(attn):
+    """The common case (a [B, T] mask given to the model) runs the ls layers' forward and backward under
+    torch.cuda.set_sync_debug_mode("error"): the key padding reaches the layers without reading the 4D mask."""
+    config = tiny_config(attn, hidden_size=256, num_attention_heads=4, intermediate_size=1024,
+                         max_position_embeddings=128)
+    model = replace_bert_layers(BertModel(config, add_pooling_layer=False)).cuda().half().train()
+    ids, mask = batch(B=8, T=100, device="cuda")
+    embeddings = model.embeddings(ids)  # the embeddings' own ops are Hugging Face's
+    layers = model.encoder
+    from transformers.masking_utils import create_bidirectional_mask
+
+    from ls_fairseq.hf import PaddingHint
+
+    full = create_bidirectional_mask(config=config, inputs_embeds=embeddings, attention_mask=mask)
+    hint = PaddingHint(mask == 0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = layers(embeddings, attention_mask=full, ls_padding=hint).last_hidden_state
+        out.float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out).all()
