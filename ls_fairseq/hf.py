@@ -109,27 +109,27 @@ class PaddingHint:
         return self._masks[causal]
 
 
-@functools.lru_cache(maxsize=None)
 def _parameter_places(cls):
     """{name: position among the positional arguments} of ``cls.forward``'s parameters (after self)."""
     names = list(inspect.signature(cls.forward).parameters)[1:]
     return {name: i for i, name in enumerate(names)}
 
 
-def _argument(module, args, kwargs, name):
+def _argument(places, args, kwargs, name):
     if name in kwargs:
         return kwargs[name]
-    place = _parameter_places(type(module)).get(name)
+    place = places.get(name)
     return args[place] if place is not None and place < len(args) else None
 
 
-def _hand_padding(module, args, kwargs):
-    """The base model's forward pre-hook: where its 4D masks come from a [B, Tk] attention_mask (or from none,
-    and no position_ids that could make a packed mask), hand the layers that padding (``PaddingHint``)."""
-    mask = _argument(module, args, kwargs, "attention_mask")
+def _hand_padding(places, module, args, kwargs):
+    """The base model's forward pre-hook (``places``: its forward's ``_parameter_places``, read when the hook is
+    registered): where its 4D masks come from a [B, Tk] attention_mask (or from none, and no position_ids that
+    could make a packed mask), hand the layers that padding (``PaddingHint``)."""
+    mask = _argument(places, args, kwargs, "attention_mask")
     if torch.is_tensor(mask) and mask.dim() == 2:
         hint = PaddingHint(mask == 0)
-    elif mask is None and _argument(module, args, kwargs, "position_ids") is None:
+    elif mask is None and _argument(places, args, kwargs, "position_ids") is None:
         hint = PaddingHint(None)
     else:
         return None
@@ -450,7 +450,8 @@ def replace_layers(model):
                          if not isinstance(layer, ls_class)]
         for module in model.modules():
             if base is not None and isinstance(module, base) and not hasattr(module, _HOOK):
-                setattr(module, _HOOK, module.register_forward_pre_hook(_hand_padding, with_kwargs=True))
+                hook = functools.partial(_hand_padding, _parameter_places(type(module)))
+                setattr(module, _HOOK, module.register_forward_pre_hook(hook, with_kwargs=True))
     for layers, i, layer in replaced:  # every layer made before any is put in place
         layers[i] = layer
     return model

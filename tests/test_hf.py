@@ -129,7 +129,8 @@ def test_a_custom_4d_mask_is_computed_exactly(attn):
     ids, _ = batch(B=3, T=9)
     allowed = torch.rand(3, 1, 9, 9) < 0.6
     allowed |= torch.eye(9, dtype=torch.bool)  # every query sees a key
-    mask = allowed if attn == "sdpa" else torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    mask = allowed if attn == "sdpa" else additive
     out_hf, out_ls, g_hf, g_ls = run_both(hf, ls, input_ids=ids, attention_mask=mask)
     assert_within(out_ls, out_hf, 1e-5, "custom mask output")
     assert_grads_within(g_ls, g_hf)
@@ -155,6 +156,10 @@ def test_flash_attentions_cu_seq_lens_run_each_sequence_alone():
     assert_within(dx_got, dx_want, 1e-5, "flash segments dx")
     with pytest.raises(ValueError, match="cu_seq_lens_q, cu_seq_lens_k given without max_length_q, max_length_k"):
         layer(x, None, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets)
+    # without the keywords, flash finds the sequences in restarting position_ids (a batch of one)
+    flash = LSBertLayer.from_bert_layer(hf_layer, tiny_config("flash_attention_2"))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    assert_within(flash(x, None, position_ids=position_ids), want, 1e-5, "flash position_ids")
 
 
 def test_a_padding_mask_given_to_the_model_takes_the_fast_path(monkeypatch):
@@ -322,7 +327,7 @@ def test_gpu_a_tokenizers_padding_mask_takes_no_host_synchronisation(attn):
                          max_position_embeddings=128)
     model = replace_bert_layers(BertModel(config, add_pooling_layer=False)).cuda().half().train()
     ids, mask = batch(B=8, T=100, device="cuda")
-    embeddings = model.embeddings(ids)  # the embeddings' own ops are Hugging Face's
+    embeddings = model.embeddings(ids).detach().requires_grad_()  # the layers alone: the embeddings are HF's
     layers = model.encoder
     from transformers.masking_utils import create_bidirectional_mask
 
