@@ -523,3 +523,18 @@ def test_gpu_training_with_dropout_and_kernels_compiles():
     loss.backward()
     assert torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.gpu
+def test_gpu_every_custom_op_passes_opcheck_with_the_kernels():
+    """The CPU cases on the GPU (fp32: the kernels store it): the fake implementations' shapes, dtypes and strides
+    against the kernels' outputs, and the registered autograd, where a mismatch would make a compiled graph read
+    the kernels' outputs with the wrong layout."""
+    def cuda(a):
+        return a.detach().cuda().requires_grad_(a.requires_grad) if torch.is_tensor(a) else a
+
+    for name, custom, args in _opcheck_cases():
+        try:
+            torch.library.opcheck(custom, tuple(cuda(a) for a in args))
+        except Exception as e:
+            raise AssertionError("opcheck of {} on the GPU: {}".format(name, e)) from e
