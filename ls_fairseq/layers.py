@@ -121,7 +121,9 @@ class _Layer(nn.Module):
         h, residual, gemm_residual = self._block_input(x, self.self_attn_layer_norm)
         q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight, residual_grad=gemm_residual, fp8=self._fp8("qkv")),
                                   attn.qkv_proj.bias, attn.num_heads, 3, attn.scaling, token_major=True)
-        if cache is not None:
+        if callable(cache):  # an external cache (Hugging Face's): it appends the new keys and values, gives all
+            k, v = cache(k, v)
+        elif cache is not None:
             if "k" in cache:
                 k = torch.cat([cache["k"], k], dim=2)
                 v = torch.cat([cache["v"], v], dim=2)
@@ -147,8 +149,8 @@ class EncoderLayer(_Layer):
     ops.AttentionMask (``ops.AttentionMask(key_padding_mask)``, True at padding; or None)."""
 
     def __init__(self, embed_dim, num_heads, ffn_dim, **kwargs):
-        """Keyword options: normalize_before (False), activation_fn ("relu", "gelu", the exact erf form, or
-        "gelu_accurate", the tanh form),
+        """Keyword options: normalize_before (False), activation_fn ("relu", "gelu": the exact erf form, or
+        "gelu_accurate": the tanh form),
         layer_norm_eps (1e-5), dropout, attention_dropout, activation_dropout (0.0), deterministic (False:
         bit-identical reruns on the GPU), fp8 (an ops.Fp8Recipe or None)."""
         super().__init__(embed_dim, num_heads, ffn_dim, gemms=_LAYER_GEMMS, **kwargs)
@@ -176,7 +178,8 @@ class DecoderLayer(_Layer):
     def forward(self, x, self_mask, enc_k=None, enc_v=None, enc_mask=None, cache=None):
         """enc_k/enc_v: this layer's keys and values of the encoder output [B, heads, S, d_head];
         ``cache`` (a dict) holds the self-attention keys/values in incremental decoding (x then the
-        new tokens alone, ``self_mask`` ops.AttentionMask(causal=True))."""
+        new tokens alone, ``self_mask`` ops.AttentionMask(causal=True)); or a function (k, v) -> (k, v)
+        that appends the new keys and values [B, heads, T, d_head] to a cache of its own and gives all."""
         x = self._self_attention(x, self_mask, cache=cache)
         if self.encoder_attn is None:
             return self._ffn(x)

@@ -1,4 +1,5 @@
-"""Fine-tune a tiny, randomly initialised Hugging Face BERT with ls_fairseq's fused layers, on the CPU.
+"""Train a tiny, randomly initialised Hugging Face BERT (no pretrained weights, so no fine-tuning and nothing
+to download) with ls_fairseq's fused layers, on the CPU.
 
 The task is made from the embedded corpus (data/lohelp, no download): is a line English or German?
 Lines are read as UTF-8 bytes (one token each, no tokenizer to fetch). Every BertLayer is replaced by

@@ -1,6 +1,12 @@
 """The fairseq-free core: the layers, the workspace Adam and the fused loss against plain PyTorch, on the
 CPU. Imports nothing of fairseq (tests/test_fairseq_plugin.py runs this file where fairseq cannot be
 imported)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -161,3 +167,31 @@ def test_the_label_smoothed_loss_module_matches_fairseqs_formula(reduction):
     torch.testing.assert_close(g, want_g)
     with pytest.raises(ValueError, match="reduction must be 'sum' or 'none', got 'mean'"):
         LabelSmoothedCrossEntropy(pad, reduction="mean")
+
+
+def test_importing_the_core_imports_neither_fairseq_nor_dynamo_and_changes_no_attribute_of_torch():
+    """A fresh interpreter imports torch alone, snapshots every attribute of torch's loaded modules (and of
+    their classes), imports the core and compares: registering the ls_fairseq:: custom ops is all it may do.
+    (torch._dynamo, which the compile refusals once imported, wraps torch.manual_seed and costs ~0.9 s.)"""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = textwrap.dedent("""
+        import json, sys
+        import torch
+        import attributes
+        before = attributes.snapshot({"torch"})
+        manual_seed = torch.manual_seed
+        import ls_fairseq.ops, ls_fairseq.layers
+        after = attributes.snapshot({"torch"})
+        print(json.dumps({"checked": len(before), "changed": sorted(map(repr, attributes.changes(before, after))),
+                          "manual_seed": torch.manual_seed is manual_seed,
+                          "imported": sorted(m for m in sys.modules
+                                             if m.split(".")[0] in ("fairseq", "fairseq_cli") or
+                                             m.startswith("torch._dynamo"))}))
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.path.join(repo, "tests")]))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=repo,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["checked"] > 1000, out["checked"]
+    assert out == {"checked": out["checked"], "changed": [], "manual_seed": True, "imported": []}, out

@@ -3,7 +3,7 @@ its autograd Function and one ``dispatch.Route`` to its kernel or reference, and
 the ``ls_fairseq::`` custom ops that torch.compile calls instead (dispatch.py);
 ``workspace`` says which parameter gradients the backwards add into in place."""
 from ls_fairseq.ops.adam import adam_step, grad_norm, new_scaler_state, scaled_grad_norm
-from ls_fairseq.ops.attention import AttentionMask, SegmentMask, attention
+from ls_fairseq.ops.attention import AttentionMask, DenseMask, SegmentMask, attention
 from ls_fairseq.ops.bias_act_dropout import bias_act_dropout
 from ls_fairseq.ops.bias_dropout_residual import bias_dropout_residual
 from ls_fairseq.ops.bias_dropout_residual_layer_norm import bias_dropout_residual_layer_norm
@@ -19,6 +19,7 @@ from ls_fairseq.ops.softmax import softmax
 
 __all__ = [
     "AttentionMask",
+    "DenseMask",
     "Fp8Recipe",
     "ResidualGrad",
     "SegmentMask",

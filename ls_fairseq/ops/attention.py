@@ -109,6 +109,20 @@ class AttentionMask:
         return mask, False
 
 
+class DenseMask:
+    """An arbitrary mask of every (query, key) pair: ``mask`` [batch, 1 or heads, Tq, Tk], boolean (True: the
+    query may attend the key) or additive (added to the scores: 0, or a large negative number), as Hugging Face
+    hands its layers a mask it could not leave to a key padding mask (packed sequences, a custom 4D mask). The
+    general path: torch's scaled_dot_product_attention takes it as it is on every device (no kernel of ours
+    reads a dense mask), so it computes what Hugging Face's sdpa (boolean) or eager (additive) attention does."""
+
+    def __init__(self, mask):
+        if not torch.is_tensor(mask) or mask.dim() != 4:
+            raise ValueError("DenseMask: the mask must be a 4D tensor [batch, 1 or heads, Tq, Tk], got {}".format(
+                tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__))
+        self.mask = mask
+
+
 class SegmentMask:
     """Segments of a query stream and a key stream: ``q_offsets``, ``k_offsets`` int32 [segments + 1]
     (segment s: query rows q_offsets[s] .. q_offsets[s + 1], keys k_offsets[s] .. k_offsets[s + 1]);
@@ -299,8 +313,8 @@ _refuse_segments = dispatch.refusal("attention: segment_attention (a SegmentMask
 
 
 def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exact_row_term=False):
-    """softmax(q k^T + masks) v with dropout ``p`` on the probabilities; ``mask`` an AttentionMask, or a
-    SegmentMask for packed streams (ops.segment_attention);
+    """softmax(q k^T + masks) v with dropout ``p`` on the probabilities; ``mask`` an AttentionMask, a
+    SegmentMask for packed streams (ops.segment_attention) or a DenseMask (torch's SDPA with it);
     ``deterministic``: bit-identical results run to run, in training too; ``exact_row_term``: the
     backward forms the softmax's row term from fp32 probabilities (the fused kernel where the rows
     fit, the LightSeq path beyond them; never SDPA)."""
@@ -314,9 +328,12 @@ def attention(q, k, v, mask=None, p=0.0, training=True, deterministic=False, exa
         from ls_fairseq.ops.segment_attention import segment_attention  # the packed step's op (imports this module)
 
         if dispatch.compiling():
-            _refuse_segments()
+            _refuse_segments(q)
         return segment_attention(q, k, v, mask, p, training, deterministic, exact_row_term)
     p = p if training else 0.0
+    if isinstance(mask, DenseMask):
+        dense = mask.mask if mask.mask.dtype == torch.bool else mask.mask.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, dropout_p=p, scale=1.0)
     if dispatch.compiling():
         kpm, causal = (mask.key_padding_mask, mask.causal) if mask is not None else (None, False)
         keep = dispatch.dropout_mask(q.shape[:-1] + k.shape[-2:-1], p, q.device) if p > 0 else None

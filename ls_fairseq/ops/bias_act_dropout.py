@@ -2,10 +2,10 @@
 
 One pass reads x and bias and writes out; x + bias, act(x + bias) and the
 keep-mask are never stored. gelu is the exact erf form that fairseq's ``gelu``
-computes; gelu_accurate the tanh approximation of fairseq's ``gelu_accurate``
-(Hugging Face's ``gelu_new``, GPT-2's). The CUDA kernels have relu and gelu;
-gelu_accurate takes the PyTorch reference on every device (``KERNEL_ACTIVATIONS``)
-until a kernel for it has been tested on a GPU.
+computes; gelu_accurate the tanh form, fairseq's ``gelu_accurate`` and Hugging Face's
+``gelu_new`` (GPT-2's): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))). The kernels
+have relu and gelu (``KERNEL_ACTIVATIONS``); gelu_accurate runs the PyTorch reference on
+every device until a kernel for it has been tested on a GPU.
 
 What backward keeps (LightSeq2's backward-dependency reuse): for relu only
 ``out``, which the FFN's second GEMM keeps anyway: out > 0 exactly where
@@ -23,9 +23,8 @@ from ls_fairseq.ops import dispatch, workspace
 from ls_fairseq.ops.dispatch import _C
 
 ACTIVATIONS = ("relu", "gelu", "gelu_accurate")
-KERNEL_ACTIVATIONS = ("relu", "gelu")  # those csrc/bias_act_dropout.cu implements
-_TANH_GELU_A = math.sqrt(2.0 / math.pi)
-_TANH_GELU_B = 0.044715
+KERNEL_ACTIVATIONS = ("relu", "gelu")
+_TANH_SCALE = math.sqrt(2.0 / math.pi)
 
 
 def _check_activation(activation):
@@ -48,7 +47,7 @@ def _act(h, activation):
     if activation == "relu":
         return torch.relu(h)
     if activation == "gelu_accurate":
-        return 0.5 * h * (1.0 + torch.tanh(_TANH_GELU_A * (h + _TANH_GELU_B * h * h * h)))
+        return 0.5 * h * (1.0 + torch.tanh(_TANH_SCALE * (h + 0.044715 * h * h * h)))
     return 0.5 * h * (1.0 + torch.erf(h * (1.0 / math.sqrt(2.0))))
 
 
@@ -56,9 +55,9 @@ def _act_grad(h, activation):
     if activation == "relu":
         return (h > 0).to(h.dtype)
     if activation == "gelu_accurate":
-        # d/dh [h (1 + tanh u) / 2], u = a (h + b h^3): (1 + tanh u) / 2 + h (1 - tanh^2 u) a (1 + 3 b h^2) / 2
-        t = torch.tanh(_TANH_GELU_A * (h + _TANH_GELU_B * h * h * h))
-        return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _TANH_GELU_A * (1.0 + 3.0 * _TANH_GELU_B * h * h)
+        # d/dh [0.5 h (1 + tanh u)], u = c (h + 0.044715 h^3): 0.5 (1 + tanh u) + 0.5 h (1 - tanh^2 u) du/dh
+        t = torch.tanh(_TANH_SCALE * (h + 0.044715 * h * h * h))
+        return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _TANH_SCALE * (1.0 + 3 * 0.044715 * h * h)
     # d/dh [h * Phi(h)] = Phi(h) + h * phi(h)
     cdf = 0.5 * (1.0 + torch.erf(h * (1.0 / math.sqrt(2.0))))
     pdf = torch.exp(-0.5 * h * h) * (1.0 / math.sqrt(2.0 * math.pi))
@@ -84,6 +83,17 @@ BIAS_ACT_DROPOUT_ROUTE = dispatch.Route(
     kernel=(_C.bias_act_dropout_forward, _C.bias_act_dropout_backward) if _C else None,
     reference=(bias_act_dropout_forward_reference, bias_act_dropout_backward_reference),
 )
+
+
+def _uses_kernel(x, activation):
+    """Whether this call runs the kernels: the route's choice, for an activation they have."""
+    return activation in KERNEL_ACTIVATIONS and dispatch.use_kernel("bias_act_dropout", x)
+
+
+def _route(x, activation):
+    """(forward, backward) of BIAS_ACT_DROPOUT_ROUTE for this call: the references for an activation the
+    kernels do not have."""
+    return BIAS_ACT_DROPOUT_ROUTE.kernel if _uses_kernel(x, activation) else BIAS_ACT_DROPOUT_ROUTE.reference
 
 
 class BiasActDropoutFunction(torch.autograd.Function):
@@ -143,9 +153,10 @@ def _forward_fake(x, bias, activation, p, mask):
 
 def _backward_op(dout: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], mask: Optional[torch.Tensor],
                  activation: str, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    kernel = dispatch.use_kernel("bias_act_dropout", x) and activation in KERNEL_ACTIVATIONS
     _, bwd = _route(x, activation)
-    return bwd(dout.contiguous(), x.contiguous(), bias, dispatch.given_dropout(kernel, mask, p), activation, p)
+    # every argument: the binding has no defaults
+    return bwd(dout.contiguous(), x.contiguous(), bias, dispatch.given_dropout(_uses_kernel(x, activation), mask, p),
+               activation, p, None)
 
 
 def _backward_fake(dout, x, bias, mask, activation, p):

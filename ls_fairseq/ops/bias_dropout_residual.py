@@ -95,7 +95,8 @@ def _bias_dropout_residual_backward(dout: torch.Tensor, mask: Optional[torch.Ten
                                     p: float) -> tuple[torch.Tensor, torch.Tensor]:
     kernel = dispatch.use_kernel("bias_dropout_residual", dout)
     _, bwd = BIAS_DROPOUT_RESIDUAL_ROUTE.pick(dout)
-    dx, dbias = bwd(dout.contiguous(), dispatch.given_dropout(kernel, mask, p), p)
+    # every argument: the binding has no defaults
+    dx, dbias = bwd(dout.contiguous(), dispatch.given_dropout(kernel, mask, p), p, None)
     return dispatch.unaliased((dx, dbias), (dout,))
 
 

@@ -114,7 +114,8 @@ def _backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: 
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     kernel = dispatch.use_kernel("bias_dropout_residual_layer_norm", x)
     _, bwd = BIAS_DROPOUT_RESIDUAL_LAYER_NORM_ROUTE.pick(x)
-    out = bwd(dy.contiguous(), x, weight, mean, rstd, dispatch.given_dropout(kernel, mask, p), p)
+    # every argument: the binding has no defaults
+    out = bwd(dy.contiguous(), x, weight, mean, rstd, dispatch.given_dropout(kernel, mask, p), p, None, None, None)
     return dispatch.unaliased(out, (dy, x, weight, mean, rstd, mask))
 
 

@@ -131,7 +131,8 @@ def _backward_op(dloss: torch.Tensor, dnll: Optional[torch.Tensor], logits: torc
                  lse: torch.Tensor, epsilon: float, padding_idx: int) -> torch.Tensor:
     _, bwd = CROSS_ENTROPY_ROUTE.pick(logits)
     dnll = None if dnll is None else dnll.contiguous()
-    return bwd(dloss.contiguous(), dnll, logits.contiguous(), target.contiguous(), lse, epsilon, padding_idx)
+    # every argument: the binding has no defaults
+    return bwd(dloss.contiguous(), dnll, logits.contiguous(), target.contiguous(), lse, epsilon, padding_idx, None)
 
 
 def _backward_fake(dloss, dnll, logits, target, lse, epsilon, padding_idx):

@@ -193,8 +193,8 @@ def dropout_mask(shape, p, device):
     an element: half the time of ``bernoulli_`` on CPU). Kernels draw theirs from the same
     generator's Philox state. Under torch.compile, where dynamo does not trace ``Tensor.random_``,
     1 where a uniform float in [0, 1) is at least p (``torch.rand``, drawn inside the graph)."""
-    if compiling():
-        return torch.rand(shape, device=device).ge(p).view(torch.uint8)
+    if compiling():  # converted, not viewed, to uint8: Inductor cannot lower a bool tensor's view as uint8
+        return torch.rand(shape, device=device).ge(p).to(torch.uint8)
     bits = torch.empty(shape, dtype=torch.int32, device=device).random_()
     return torch.lt(bits, round((1.0 - p) * 2**31)).view(torch.uint8)
 
@@ -236,17 +236,20 @@ LIBRARY = "ls_fairseq"
 
 
 def refusal(message):
-    """A function that raises NotImplementedError(message), for what torch.compile does not support. Dynamo
-    leaves its call to eager (torch.compiler.disable), so that a compile without fullgraph stops with the
-    error too (an exception raised while dynamo traces would have it run the frame eagerly instead, the
-    unsupported path included); under fullgraph dynamo refuses the call and names ``message`` as the reason."""
-    def refuse():
-        raise NotImplementedError(message)
+    """A function of one tensor that raises NotImplementedError(message), called where torch.compile does not
+    support a path (``dispatch.compiling()``). It calls the custom op ``ls_fairseq::unsupported_under_compile``,
+    whose fake implementation raises while dynamo traces the call, with fullgraph or without (dynamo does not
+    run a frame eagerly after such an error), so the message reaches the caller. Importing torch._dynamo
+    for ``torch.compiler.disable`` instead would cost every import of the core ~0.9 s and change torch
+    (dynamo wraps torch.manual_seed); docs/perf-log.md has the lazy forms of that which failed."""
+    def refuse(like):
+        _unsupported_op(like, message)
 
-    try:
-        return torch.compiler.disable(refuse, reason=message)
-    except TypeError:  # an older torch, whose disable takes no reason
-        return torch.compiler.disable(refuse)
+    return refuse
+
+
+def _unsupported(like: torch.Tensor, message: str) -> torch.Tensor:
+    raise NotImplementedError(message)
 
 
 def custom_op(name, impl, fake, backward=None, setup_context=None):
@@ -286,6 +289,12 @@ def given_dropout(kernel, mask, p):
     """What a backward takes for the forward's dropout when the forward was given ``mask`` (the keep-mask
     a compiled graph draws, or None): the mask itself for a reference, for a kernel (``kernel``) the
     ``_C.Dropout`` that reads it (None without dropout)."""
-    if mask is None or p == 0 or not kernel:
+    if mask is None or p == 0:
+        return None
+    if not kernel:
         return mask
     return _C.dropout_from_mask(mask, p)
+
+
+# every refusal's op (``refusal``): both implementations raise
+_unsupported_op = custom_op("unsupported_under_compile", _unsupported, fake=_unsupported)

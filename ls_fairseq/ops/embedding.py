@@ -193,7 +193,7 @@ def _backward_op(dout: torch.Tensor, tokens: torch.Tensor, positions: torch.Tens
     kernel = dispatch.use_kernel("embedding", dout)
     _, bwd = EMBEDDING_ROUTE.pick(dout)
     dweight, dpos = bwd(dout.contiguous(), tokens, positions, dispatch.given_dropout(kernel, mask, p), scale,
-                        padding_idx, p, num_embeddings, num_positions)
+                        padding_idx, p, num_embeddings, num_positions, None, None)  # every argument: no defaults
     return dweight, dout.new_empty(0, dout.shape[-1]) if dpos is None else dpos
 
 

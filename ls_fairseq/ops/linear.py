@@ -130,7 +130,7 @@ def linear(x, weight, heads=False, residual_grad=None, fp8=None):
     fp8 = fp8 if fp8 is not None and fp8.active else None
     if dispatch.compiling():  # torch's GEMM, its gradients autograd's (no hand-off, no in-place weight gradient)
         if fp8 is not None:
-            _refuse_fp8()
+            _refuse_fp8(x)
         return F.linear(merge_heads(x) if heads else x, weight)
     if torch.is_grad_enabled() and weight.requires_grad:
         return LinearFunction.apply(x, weight, heads, residual_grad, fp8)

@@ -114,7 +114,7 @@ def _forward_fake(x, bias, num_heads, num_parts, first_scale, token_major):
 def _backward_op(dy: torch.Tensor, first_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     _, bwd = QKV_ROUTE.pick(dy)
     dys = [g if g.stride(-1) == 1 else g.contiguous() for g in dy.unbind(0)]
-    return bwd(dys, first_scale)
+    return bwd(dys, first_scale, None)  # every argument: the binding has no defaults
 
 
 def _backward_fake(dy, first_scale):
