@@ -104,26 +104,37 @@ def test_bad_streams_and_masks_are_refused():
         ops.attention(q, q, q, ops.SegmentMask(offsets, offsets, 3, 3))
 
 
+def many_causal_segments(seed, dtype, longest, triton):
+    """500 causal segments of 1 to ``longest`` tokens and a tail of 13 rows on the GPU, 16 heads of 64:
+    (offsets, mask, q, k, v, dout)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, longest + 1, (500,), generator=generator)
+    offsets = torch.zeros(501, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    offsets = offsets.cuda()
+    n = int(offsets[-1]) + 13
+    mask = ops.SegmentMask(offsets, offsets, longest, longest, causal=True, triton=triton)
+    q, k, v = (torch.randn(1, n, 16, 64, generator=generator).cuda().to(dtype).transpose(1, 2) for _ in range(3))
+    return offsets, mask, q, k, v, torch.randn(q.shape, generator=generator).cuda()
+
+
+def assert_identical_runs(mask, q, k, v, dout, dtype, seed):
+    """Two runs with dropout 0.1 in deterministic mode from one seed: bit-identical outputs and gradients."""
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(seed)
+        runs.append(run(lambda *t: ops.attention(*t, mask, 0.1, True, deterministic=True), q, k, v, dout, dtype))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 def test_many_segments_deterministic_mode_gives_identical_runs(dtype, request):
     """500 segments of lengths 1-40 with dropout in deterministic mode (the blocks path's kernels):
     two runs from one seed are bit-identical, and without dropout the output meets the 2x rule."""
-    generator = torch.Generator().manual_seed(request.node.ls_seed)
-    lengths = torch.randint(1, 41, (500,), generator=generator)
-    offsets = torch.zeros(501, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    offsets = offsets.cuda()
-    n = int(offsets[-1]) + 13
-    mask = ops.SegmentMask(offsets, offsets, 40, 40, causal=True)
-    q, k, v = (torch.randn(1, n, 16, 64, generator=generator).cuda().to(dtype).transpose(1, 2) for _ in range(3))
-    dout = torch.randn(q.shape, generator=generator).cuda()
-    runs = []
-    for _ in range(2):
-        torch.manual_seed(request.node.ls_seed)
-        runs.append(run(lambda *t: ops.attention(*t, mask, 0.1, True, deterministic=True), q, k, v, dout, dtype))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    _, mask, q, k, v, dout = many_causal_segments(request.node.ls_seed, dtype, 40, triton=False)
+    assert_identical_runs(mask, q, k, v, dout, dtype, request.node.ls_seed)
     got = run(lambda *t: ops.attention(*t, mask), q, k, v, dout, dtype)
     ref64 = run(lambda *t: seg.segment_attention_reference(*t, mask), q, k, v, dout, torch.float64)
     low = run(lambda *t: seg.segment_attention_reference(*t, mask), q, k, v, dout, dtype)
@@ -258,21 +269,8 @@ def test_triton_many_segments_bit_identical_runs_and_2x_rule(dtype, request):
     """500 WMT-like segments (1-120 tokens) causal with dropout, 16 heads of 64: two runs from one seed are
     bit-identical (no atomics). Without dropout, on the first 120 segments and 4 heads (the dense fp64
     oracle holds [heads, rows, rows]), the output and gradients meet the 2x rule."""
-    generator = torch.Generator().manual_seed(request.node.ls_seed)
-    lengths = torch.randint(1, 121, (500,), generator=generator)
-    offsets = torch.zeros(501, dtype=torch.int32)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    offsets = offsets.cuda()
-    n = int(offsets[-1]) + 13
-    mask = ops.SegmentMask(offsets, offsets, 120, 120, causal=True, triton=True)
-    q, k, v = (torch.randn(1, n, 16, 64, generator=generator).cuda().to(dtype).transpose(1, 2) for _ in range(3))
-    dout = torch.randn(q.shape, generator=generator).cuda()
-    runs = []
-    for _ in range(2):
-        torch.manual_seed(request.node.ls_seed)
-        runs.append(run(lambda *t: ops.attention(*t, mask, 0.1, True, deterministic=True), q, k, v, dout, dtype))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    offsets, mask, q, k, v, dout = many_causal_segments(request.node.ls_seed, dtype, 120, triton=True)
+    assert_identical_runs(mask, q, k, v, dout, dtype, request.node.ls_seed)
     small_offsets = offsets[:121]
     small = ops.SegmentMask(small_offsets, small_offsets, 120, 120, causal=True, triton=True)
     rows = int(offsets[120]) + 13
