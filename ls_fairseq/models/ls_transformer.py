@@ -132,8 +132,8 @@ class LSTransformerConfig(FairseqDataclass):
         metadata={
             "help": "train on packed batches: each side's real tokens as one stream with sentence offsets (the "
             "same sentences per batch as fairseq's batching), each stream rounded up to one of 8 capacities "
-            "(multiples of 16) chosen from the epoch's batches, so the only padding is the stream's tail (1-2.5% "
-            "of the FLOPs at 16,384-4,096 tokens, scripts/padding_cost.py), the same shapes eager or with "
+            "(multiples of 16) chosen from the epoch's batches, so the only padding is the stream's tail (1 to "
+            "2.5 percent of the FLOPs at 16,384-4,096 tokens, scripts/padding_cost.py), the same shapes eager or with "
             "--ls-cuda-graphs; attention through ls's Triton segment kernels on the GPU; validation and "
             "translation stay padded"
         },
