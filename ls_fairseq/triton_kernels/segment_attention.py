@@ -289,9 +289,10 @@ def _keep(KEEP, QOFF, KOFF, SEED, NQ, NK, S, MAXK, p_drop, H: tl.constexpr, BM: 
                  mask=(rows < q_len)[:, None] & (cols < k_len)[None, :])
 
 
-# Experimental, not yet run on a GPU: segments within one tile each way take _bwd_short (one kernel,
-# the probabilities computed once) instead of the dq and dk/dv kernels. LS_FAIRSEQ_TRITON_SHORT_BACKWARD=1
-# turns it on.
+# Segments within one tile each way take _bwd_short (one kernel, the probabilities computed once) instead
+# of the dq and dk/dv kernels where LS_FAIRSEQ_TRITON_SHORT_BACKWARD=1. It passed its GPU tests and was
+# faster with 64-row tiles, slower with 32 (scripts/bench_segment_attention.py, H100, 2026-12-06); off
+# until a training benchmark shows which tiles it should take.
 SHORT_BACKWARD = os.environ.get("LS_FAIRSEQ_TRITON_SHORT_BACKWARD") == "1"
 
 
