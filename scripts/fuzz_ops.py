@@ -898,7 +898,8 @@ def fuzz(args, names, max_elements, out_dir):
         for i, op in enumerate(names):
             # each op's share of what is left, so an op that finishes early leaves its time to the next
             deadline = time.monotonic() + (args.budget_s - (time.monotonic() - start)) / (len(names) - i)
-            indices = [args.case] if args.case is not None else range(args.cases)
+            shard, shards = args.shard
+            indices = [args.case] if args.case is not None else range(shard, args.cases, shards)
             r = dict(cases=0, mismatches=0, worst_ratio=0.0, worst_case=None, failures=[], stopped_by_budget=False)
             op_start = time.monotonic()
             for index in indices:
@@ -935,19 +936,24 @@ def fuzz(args, names, max_elements, out_dir):
 
 
 def fuzz_in_workers(args, names, max_elements, out_dir):
-    """The ops split over ``args.jobs`` processes of this script side by side (the cases are drawn from
-    the run's seed, the op and the index, so they are the same cases however the ops are split), each
-    with the whole budget for its ops; their logs joined into ``out_dir``: {op: its results}."""
+    """The ops split over ``args.jobs`` processes of this script side by side, or, with fewer ops than
+    processes, every op's cases split among them by index (the cases are drawn from the run's seed, the
+    op and the index, so they are the same cases however they are split), each process with the whole
+    budget; their logs joined into ``out_dir``: {op: its results, summed over the processes}."""
     import subprocess
 
-    groups = [names[i :: args.jobs] for i in range(args.jobs) if names[i :: args.jobs]]
+    if len(names) >= args.jobs:
+        groups = [(names[i :: args.jobs], "0/1") for i in range(args.jobs)]
+    else:
+        groups = [(names, "{}/{}".format(i, args.jobs)) for i in range(args.jobs)]
     for name in ("cases.jsonl", "fuzz.log"):
         open(os.path.join(out_dir, name), "w").close()
     procs = []
-    for i, group in enumerate(groups):
+    for i, (group, shard) in enumerate(groups):
         cmd = [sys.executable, os.path.abspath(__file__), "--seed", str(args.seed), "--cases", str(args.cases),
                "--ops", ",".join(group), "--budget-s", str(args.budget_s), "--device", args.device,
-               "--max-elements", str(max_elements), "--out", os.path.join(out_dir, "worker{}".format(i))]
+               "--max-elements", str(max_elements), "--shard", shard,
+               "--out", os.path.join(out_dir, "worker{}".format(i))]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     found = {}
     for i, proc in enumerate(procs):
@@ -955,10 +961,11 @@ def fuzz_in_workers(args, names, max_elements, out_dir):
         part = os.path.join(out_dir, "worker{}".format(i))
         try:
             with open(os.path.join(part, "results.json")) as f:
-                found.update(json.load(f)["ops"])
+                for op, r in json.load(f)["ops"].items():
+                    found[op] = merged(found[op], r) if op in found else r
         except (OSError, ValueError):
             raise SystemExit("fuzz_ops: worker {} ({}) wrote no results (exit {}):\n{}".format(
-                i, ",".join(groups[i]), proc.returncode, output[-3000:]))
+                i, ",".join(groups[i][0]), proc.returncode, output[-3000:]))
         print("".join(line + "\n" for line in output.splitlines() if line.startswith(("MISMATCH", "  "))), end="")
         for name in ("cases.jsonl", "fuzz.log"):
             with open(os.path.join(part, name)) as src, open(os.path.join(out_dir, name), "a") as dst:
@@ -969,6 +976,27 @@ def fuzz_in_workers(args, names, max_elements, out_dir):
             op, r["cases"], r["seconds"], r["mismatches"], r["worst_ratio"], r["worst_case"],
             ", stopped by the budget" if r["stopped_by_budget"] else ""), flush=True)
     return {op: found[op] for op in names}
+
+
+def merged(a, b):
+    """One op's results from two processes that ran different cases of it."""
+    worst = a if a["worst_ratio"] >= b["worst_ratio"] else b
+    return dict(cases=a["cases"] + b["cases"], mismatches=a["mismatches"] + b["mismatches"],
+                worst_ratio=worst["worst_ratio"], worst_case=worst["worst_case"],
+                failures=(a["failures"] + b["failures"])[:20],
+                stopped_by_budget=a["stopped_by_budget"] or b["stopped_by_budget"],
+                seconds=max(a["seconds"], b["seconds"]))
+
+
+def shard_arg(text):
+    """``i/n``: this process runs the case indices congruent to i modulo n."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError("--shard {}: expected i/n, e.g. 0/4".format(text))
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError("--shard {}: i must be in 0..n-1".format(text))
+    return i, n
 
 
 def replay_command(args, op, index):
@@ -990,7 +1018,10 @@ def main():
                         help="largest tensor of a case (default 2^21 on the GPU, 2^13 on the CPU)")
     parser.add_argument("--out", default=None, help="folder for the logs (default $OUT/fuzz_ops)")
     parser.add_argument("--jobs", type=int, default=1,
-                        help="processes side by side, the ops split among them, each with the whole --budget-s")
+                        help="processes side by side, each with the whole --budget-s: the ops split among them, "
+                             "or with fewer ops than processes, each op's cases")
+    parser.add_argument("--shard", type=shard_arg, default=(0, 1),
+                        help="i/n: run only the case indices congruent to i modulo n (set by --jobs)")
     args = parser.parse_args()
     if args.seed is None:
         args.seed = int.from_bytes(os.urandom(4), "little")
@@ -1014,7 +1045,7 @@ def main():
     print("fuzz_ops: seed {} (--seed {} replays), {} cases per op, budget {:.0f}s, device {}, logs in {}".format(
         args.seed, args.seed, args.cases if args.case is None else 1, args.budget_s, args.device, out_dir), flush=True)
     start = time.monotonic()
-    if args.jobs > 1 and args.case is None and len(names) > 1:
+    if args.jobs > 1 and args.case is None:
         results = fuzz_in_workers(args, names, max_elements, out_dir)
     else:
         results = fuzz(args, names, max_elements, out_dir)
