@@ -1,11 +1,11 @@
 """segment_attention's paths on one GPU, forward + backward, transformer-big's heads (16 x 64), about
 16,384 tokens of WMT-like sentences (lengths drawn log-normal around 27 tokens, 1 to 250): the
-Triton kernels (32- and 64-row tiles, the one-kernel backward of short segments or not, the flat grid
-or not), torch's varlen FlashAttention, and what the padded step runs on the same sentences
-(ops.attention on [B, heads, T, d_head], the sentences sorted by length into 8 batches, each padded to a
-multiple of 8: the sum of the 8 calls). Median of triton.testing.do_bench (CUDA events), in ms.
+Triton kernels (32- and 64-row tiles, the one-kernel backward of short segments or not), torch's varlen
+FlashAttention, and what the padded step runs on the same sentences (ops.attention on [B, heads, T,
+d_head], the sentences sorted by length into 8 batches, each padded to a multiple of 8: the sum of
+the 8 calls). Median of triton.testing.do_bench (CUDA events), in ms.
 
-    python3 scripts/bench_segment_attention.py [--tokens 16384] [--seed 1] [--max-len 256 --spare-segments 64]
+    python3 scripts/bench_segment_attention.py [--tokens 16384] [--seed 1]
 """
 import argparse
 import math
@@ -16,11 +16,6 @@ import triton
 from ls_fairseq import ops
 from ls_fairseq.ops import segment_attention as seg
 from ls_fairseq.triton_kernels import segment_attention as kernels
-
-
-# (tile rows, the one-kernel backward of short segments, the flat grid over the real tiles)
-TRITON_VARIANTS = ((32, False, False), (64, False, False), (64, True, False), (32, False, True), (64, False, True),
-                   (64, True, True))
 
 
 def lengths_for(tokens, generator):
@@ -36,23 +31,17 @@ def main():
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
-    parser.add_argument("--max-len", type=int, default=None,
-                        help="the masks' longest segment (default the sentences' own; the packed step's buckets "
-                             "give their capacity's, e.g. 256)")
-    parser.add_argument("--spare-segments", type=int, default=0,
-                        help="empty segments after the sentences (a packing bucket's spare capacity)")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     generator = torch.Generator().manual_seed(args.seed)
     H, D = 16, 64
     lengths = lengths_for(args.tokens, generator)
-    offsets = torch.zeros(len(lengths) + 1 + args.spare_segments, dtype=torch.int32)
-    offsets[1 : len(lengths) + 1] = lengths.cumsum(0)
-    offsets[len(lengths) + 1 :] = offsets[len(lengths)]
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    offsets[1:] = lengths.cumsum(0)
     n = int(offsets[-1])
     capacity = (n + 15) // 16 * 16
     offsets = offsets.cuda()
-    longest = max(int(lengths.max()), args.max_len or 0)
+    longest = int(lengths.max())
     B = len(lengths)
     print("{} sentences, {} tokens (capacity {}), longest {}, mean {:.1f}".format(B, n, capacity, longest, n / B))
 
@@ -79,20 +68,19 @@ def main():
             mask = ops.SegmentMask(offsets, offsets, longest, longest, causal=causal, triton=triton_mask)
             if not triton_mask and not seg.varlen_fits(q, p, True, False, exact):
                 continue
-            for block, short, flat in (TRITON_VARIANTS if triton_mask else ((None, False, False),)):
+            for block, short in (((32, False), (64, False), (32, True), (64, True)) if triton_mask else ((None, False),)):
                 if triton_mask:
                     original = kernels.block_rows
                     kernels.block_rows = lambda rows, segments, b=block: b
-                    kernels.SHORT_BACKWARD, kernels.FLAT_GRID = short, flat
+                    kernels.SHORT_BACKWARD = short
                 try:
                     fwd, both = timed(lambda q, k, v: ops.attention(q, k, v, mask, p, True, exact_row_term=exact), q, k, v)
                 finally:
                     if triton_mask:
                         kernels.block_rows = original
-                        kernels.SHORT_BACKWARD = kernels.FLAT_GRID = False
-                rows.append((kind, label + ("" if block is None else " ({} rows{}{})".format(
-                    block, ", flat grid" if flat else "", ", one-kernel backward of short segments" if short else "")),
-                    fwd, both))
+                        kernels.SHORT_BACKWARD = False
+                rows.append((kind, label + ("" if block is None else " ({} rows{})".format(
+                    block, ", one-kernel backward of short segments" if short else "")), fwd, both))
         # the padded step's attention on the same sentences as fairseq batches them: sorted by length and
         # cut into 8 batches, each padded to its own longest sentence (a multiple of 8); the sum of the 8
         ordered = lengths.sort().values

@@ -321,8 +321,7 @@ def case_segment_attention(c):
     a tail past the last offset, causal self-attention or cross-attention, against the block-diagonal
     oracle. The path: the Triton kernels (``triton``, on the GPU; on the CPU under TRITON_INTERPRET=1),
     else varlen's FlashAttention where it fits on the GPU, else the blocks path; ``deterministic`` and
-    ``exact_row_term`` as the layers pass them; ``flat_grid``: the Triton kernels' grid over the real tiles
-    (FLAT_GRID) or over (segment, tile of the longest); q, k and v ``strided`` as views of one fused projection's
+    ``exact_row_term`` as the layers pass them; q, k and v ``strided`` as views of one fused projection's
     output (as split_heads gives them) or of streams of their own; dropout where the kernels' keep-mask
     is known to the oracle (the Triton path)."""
     dtype = c.dtype(("fp16", "bf16") if c.device != "cpu" else ("fp32",))
@@ -374,17 +373,9 @@ def case_segment_attention(c):
         o = fn(*leaves)
         return (o,) + torch.autograd.grad(o, leaves, dout.to(dt))
 
-    flat = c.pick("flat_grid", (False, True)) if triton else False
-
     def kernels(q, k, v):
         torch.manual_seed(seed)  # the seed the keep-mask was drawn with
-        if segment_attention._triton_kernels() is None:
-            return ops.attention(q, k, v, mask, p, True, deterministic, exact_row_term)
-        was, segment_attention._triton_kernels().FLAT_GRID = segment_attention._triton_kernels().FLAT_GRID, flat
-        try:
-            return ops.attention(q, k, v, mask, p, True, deterministic, exact_row_term)
-        finally:
-            segment_attention._triton_kernels().FLAT_GRID = was
+        return ops.attention(q, k, v, mask, p, True, deterministic, exact_row_term)
 
     def oracle(q, k, v):
         return segment_attention_reference(q, k, v, mask, p, True, keep)

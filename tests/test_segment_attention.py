@@ -199,22 +199,22 @@ def nan_empty(monkeypatch, device):
 
 
 @needs_triton
-@pytest.mark.parametrize("variant", ["segment grid", "flat grid", "flat grid, short backward"])
+@pytest.mark.parametrize("short_backward", [False, True])
 @pytest.mark.parametrize("p", [0.0, 0.3])
 @pytest.mark.parametrize("exact_row_term", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_triton_path_against_block_diagonal_reference(dtype, device, causal, exact_row_term, p, variant,
+def test_triton_path_against_block_diagonal_reference(dtype, device, causal, exact_row_term, p, short_backward,
                                                       request, monkeypatch, interpret):
     """Random segments (one of length 1, an empty one, one of the longest) over two tiles of rows, a
     tail, token-major q/k/v views; forward and gradients against the fp64 oracle, with the kernels' own
-    keep-mask under dropout; every output element written, the tail rows exactly zero. ``variant``: a
-    program per (segment, tile of the longest) or per real tile (FLAT_GRID); with ``short backward``
+    keep-mask under dropout; every output element written, the tail rows exactly zero. ``short_backward``:
     the segments within one tile take the one-kernel backward (SHORT_BACKWARD), the others the two."""
     if device == "cpu" and dtype in LOW_PRECISION:
         pytest.skip("Triton's interpreter runs fp32")
     kernels_module = seg._triton_kernels()
+    short_was = kernels_module.SHORT_BACKWARD
     generator = torch.Generator().manual_seed(request.node.ls_seed)
     H, D = (2, 16) if device == "cpu" else (8, 64)
     q, k, v, mask = triton_streams(generator, device, dtype, causal, H, D, segments=9, longest=45)
@@ -230,9 +230,11 @@ def test_triton_path_against_block_diagonal_reference(dtype, device, causal, exa
 
     with monkeypatch.context() as patched:
         nan_empty(patched, device)
-        patched.setattr(kernels_module, "FLAT_GRID", variant.startswith("flat"))
-        patched.setattr(kernels_module, "SHORT_BACKWARD", variant.endswith("short backward"))
-        got = run(kernels, q, k, v, dout, dtype)
+        kernels_module.SHORT_BACKWARD = short_backward
+        try:
+            got = run(kernels, q, k, v, dout, dtype)
+        finally:
+            kernels_module.SHORT_BACKWARD = short_was
     ref64 = run(lambda *t: seg.segment_attention_reference(*t, mask, p, True, keep), q, k, v, dout, torch.float64)
     low = run(lambda *t: seg.segment_attention_reference(*t, mask, p, True, keep), q, k, v, dout, dtype)
     assert got[0].transpose(1, 2).is_contiguous(), "the output is token-major (the out projection merges a view)"
@@ -262,14 +264,11 @@ def test_triton_keep_mask_drops_at_the_rate_and_only_inside_segments(device, req
 
 @needs_triton
 @pytest.mark.gpu
-@pytest.mark.parametrize("flat_grid", [False, True])
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
-def test_triton_many_segments_bit_identical_runs_and_2x_rule(dtype, flat_grid, request, monkeypatch):
+def test_triton_many_segments_bit_identical_runs_and_2x_rule(dtype, request):
     """500 WMT-like segments (1-120 tokens) causal with dropout, 16 heads of 64: two runs from one seed are
     bit-identical (no atomics). Without dropout, on the first 120 segments and 4 heads (the dense fp64
-    oracle holds [heads, rows, rows]), the output and gradients meet the 2x rule. ``flat_grid``: a program
-    per real tile (FLAT_GRID)."""
-    monkeypatch.setattr(seg._triton_kernels(), "FLAT_GRID", flat_grid)
+    oracle holds [heads, rows, rows]), the output and gradients meet the 2x rule."""
     offsets, mask, q, k, v, dout = many_causal_segments(request.node.ls_seed, dtype, 120, triton=True)
     assert_identical_runs(mask, q, k, v, dout, dtype, request.node.ls_seed)
     small_offsets = offsets[:121]

@@ -144,7 +144,6 @@ class SegmentMask:
         self.max_q, self.max_k, self.causal, self.triton = int(max_q), int(max_k), causal, triton
         self._blocks = {}
         self._block_lengths = None
-        self._tile_starts = {}
 
     @property
     def segments(self):
@@ -166,15 +165,6 @@ class SegmentMask:
         if self._block_lengths is None:
             self._block_lengths = tuple(max(1, int((o[1:] - o[:-1]).max())) for o in (self.q_offsets, self.k_offsets))
         return self._block_lengths
-
-    def tile_starts(self, rows, keys=False):
-        """int32 [segments + 1]: how many tiles of ``rows`` query rows (``keys``: keys) come before each
-        segment, the last entry all of them; made once per tile size (the Triton kernels' flat grid)."""
-        if (rows, keys) not in self._tile_starts:
-            offsets = self.k_offsets if keys else self.q_offsets
-            tiles = (offsets[1:] - offsets[:-1] + rows - 1).div(rows, rounding_mode="floor")
-            self._tile_starts[rows, keys] = torch.cat([tiles.new_zeros(1), tiles.cumsum(0)]).to(torch.int32)
-        return self._tile_starts[rows, keys]
 
     def blocks(self, nq):
         """(q_index, k_index [segments x max rows], key padding mask [segments, max_k], keyless [segments,

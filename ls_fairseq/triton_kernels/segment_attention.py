@@ -34,42 +34,18 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
-def _program(TILES, S, FLAT: tl.constexpr):
-    """(segment, its tile this program takes, n): a segment of S is the tail, whose rows the n programs
-    given it zero, this one taking every n-th tile from the tile returned. FLAT: program_id(0) runs over
-    the segments' real tiles (TILES[s]: the tiles before segment s, TILES[S] all of them), the segment
-    found by a binary search, and the programs past the last tile take the tail; otherwise
-    program_id(0) is the segment (S the tail) and program_id(1) the tile, most of such programs past
-    their segment's end."""
-    if FLAT:
-        t = tl.program_id(0)
-        total = tl.load(TILES + S)
-        lo = t * 0
-        hi = S - 1
-        while lo < hi:  # the last segment whose first tile is at or before t: the one holding it
-            mid = (lo + hi + 1) // 2
-            before = tl.load(TILES + mid) <= t
-            lo = tl.where(before, mid, lo)
-            hi = tl.where(before, hi, mid - 1)
-        inside = t < total
-        return tl.where(inside, lo, S), tl.where(inside, t - tl.load(TILES + lo), t - total), \
-            tl.num_programs(0) - total
-    else:
-        return tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-
-
 @triton.jit(do_not_specialize=["NQ", "S", "MAXK"])
-def _fwd(Q, K, V, O, LSE, QOFF, KOFF, SEED, TILES,
+def _fwd(Q, K, V, O, LSE, QOFF, KOFF, SEED,
          sqh, sqn, skh, skn, svh, svn,
          NQ, S, MAXK, p_drop, drop_scale,
          H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-         CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, FLAT: tl.constexpr):
-    s, mb, n = _program(TILES, S, FLAT)
+         CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr):
+    s = tl.program_id(0)
+    mb = tl.program_id(1)
     h = tl.program_id(2)
     d = tl.arange(0, D)
     if s == S:  # the tail: zeros
-        for r0 in range(tl.load(QOFF + S) + mb * BM, NQ, n * BM):
+        for r0 in range(tl.load(QOFF + S) + mb * BM, NQ, tl.num_programs(1) * BM):
             rows = r0 + tl.arange(0, BM)
             tl.store(O + rows[:, None] * (H * D) + h * D + d[None, :], tl.zeros([BM, D], O.dtype.element_ty),
                      mask=(rows < NQ)[:, None])
@@ -119,17 +95,17 @@ def _fwd(Q, K, V, O, LSE, QOFF, KOFF, SEED, TILES,
 
 
 @triton.jit(do_not_specialize=["NQ", "S", "MAXK"])
-def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QOFF, KOFF, SEED, TILES,
+def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QOFF, KOFF, SEED,
             sqh, sqn, skh, skn, svh, svn, sdoh, sdon,
             NQ, S, MAXK, p_drop, drop_scale,
             H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-            CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, SHORT: tl.constexpr,
-            FLAT: tl.constexpr):
-    s, mb, n = _program(TILES, S, FLAT)
+            CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, SHORT: tl.constexpr):
+    s = tl.program_id(0)
+    mb = tl.program_id(1)
     h = tl.program_id(2)
     d = tl.arange(0, D)
     if s == S:
-        for r0 in range(tl.load(QOFF + S) + mb * BM, NQ, n * BM):
+        for r0 in range(tl.load(QOFF + S) + mb * BM, NQ, tl.num_programs(1) * BM):
             rows = r0 + tl.arange(0, BM)
             tl.store(DQ + rows[:, None] * (H * D) + h * D + d[None, :], tl.zeros([BM, D], DQ.dtype.element_ty),
                      mask=(rows < NQ)[:, None])
@@ -188,17 +164,17 @@ def _bwd_dq(Q, K, V, DO, DQ, LSE, DELTA, QOFF, KOFF, SEED, TILES,
 
 
 @triton.jit(do_not_specialize=["NQ", "NK", "S", "MAXK"])
-def _bwd_dkv(Q, K, V, DO, DK, DV, LSE, DELTA, QOFF, KOFF, SEED, TILES,
+def _bwd_dkv(Q, K, V, DO, DK, DV, LSE, DELTA, QOFF, KOFF, SEED,
              sqh, sqn, skh, skn, svh, svn, sdoh, sdon,
              NQ, NK, S, MAXK, p_drop, drop_scale,
              H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, SHORT: tl.constexpr,
-             FLAT: tl.constexpr):
-    s, nb, n = _program(TILES, S, FLAT)
+             CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, PREC: tl.constexpr, SHORT: tl.constexpr):
+    s = tl.program_id(0)
+    nb = tl.program_id(1)
     h = tl.program_id(2)
     d = tl.arange(0, D)
     if s == S:
-        for c0 in range(tl.load(KOFF + S) + nb * BN, NK, n * BN):
+        for c0 in range(tl.load(KOFF + S) + nb * BN, NK, tl.num_programs(1) * BN):
             cols = c0 + tl.arange(0, BN)
             at = cols[:, None] * (H * D) + h * D + d[None, :]
             tl.store(DK + at, tl.zeros([BN, D], DK.dtype.element_ty), mask=(cols < NK)[:, None])
@@ -318,10 +294,6 @@ def _keep(KEEP, QOFF, KOFF, SEED, NQ, NK, S, MAXK, p_drop, H: tl.constexpr, BM: 
 # faster with 64-row tiles, slower with 32 (scripts/bench_segment_attention.py, H100, 2026-12-06); off
 # until a training benchmark shows which tiles it should take.
 SHORT_BACKWARD = os.environ.get("LS_FAIRSEQ_TRITON_SHORT_BACKWARD") == "1"
-# A program per real (segment, tile) pair, found from the tiles' prefix sum, instead of one per (segment,
-# tile of the longest segment), where a batch with one long sentence launches several tiles for every
-# ~30-token one, most of them exiting at once: LS_FAIRSEQ_TRITON_FLAT_GRID=1, until its GPU run.
-FLAT_GRID = os.environ.get("LS_FAIRSEQ_TRITON_FLAT_GRID") == "1"
 
 
 def block_rows(rows, segments):
@@ -353,17 +325,6 @@ def _launch(kernel, grid, *args, **constants):
     kernel[grid](*args, **constants)
 
 
-def _grid(mask, H, rows, B, longest, keys=False):
-    """(grid, the tiles' prefix sum, FLAT) of a kernel over ``rows`` query rows (``keys``: keys) in
-    tiles of ``B``. The flat grid's size, rows / B + segments + 1, bounds the real tiles (each segment
-    wastes less than one) with one program to spare for the tail, and depends on host ints only, so a
-    CUDA graph keeps one shape."""
-    S = mask.segments
-    if FLAT_GRID:
-        return (triton.cdiv(rows, B) + S + 1, 1, H), mask.tile_starts(B, keys), True
-    return (S + 1, triton.cdiv(longest, B), H), mask.q_offsets, False
-
-
 def _dropout_arguments(p):
     return float(p), (1.0 / (1.0 - p)) if p < 1 else 0.0
 
@@ -375,10 +336,10 @@ def forward(q, k, v, mask, p, seed, block=None):
     H, NQ, D, S, B, constants = _common(q, mask, block)
     out = torch.empty(NQ, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(H, NQ, dtype=torch.float32, device=q.device)
-    grid, tiles, flat = _grid(mask, H, NQ, B, mask.max_q)
-    _launch(_fwd, grid, q, k, v, out, lse, mask.q_offsets, mask.k_offsets, seed, tiles,
+    _launch(_fwd, (S + 1, triton.cdiv(mask.max_q, B), H),
+            q, k, v, out, lse, mask.q_offsets, mask.k_offsets, seed,
             q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-            NQ, S, mask.max_k, *_dropout_arguments(p), DROPOUT=p > 0, FLAT=flat, **constants)
+            NQ, S, mask.max_k, *_dropout_arguments(p), DROPOUT=p > 0, **constants)
     return out.unsqueeze(0).transpose(1, 2), lse
 
 
@@ -398,12 +359,12 @@ def backward(dout, q, k, v, lse, mask, p, seed, block=None):
     if short:
         _launch(_bwd_short, (S, 1, H), q, k, v, dout, dq, dk, dv, lse, mask.q_offsets, mask.k_offsets, seed,
                 *strides, NQ, S, mask.max_k, *dropout, DROPOUT=p > 0, **constants)
-    grid, tiles, flat = _grid(mask, H, NQ, B, mask.max_q)
-    _launch(_bwd_dq, grid, q, k, v, dout, dq, lse, delta, mask.q_offsets, mask.k_offsets, seed, tiles, *strides,
-            NQ, S, mask.max_k, *dropout, DROPOUT=p > 0, SHORT=short, FLAT=flat, **constants)
-    grid, tiles, flat = _grid(mask, H, NK, B, mask.max_k, keys=True)
-    _launch(_bwd_dkv, grid, q, k, v, dout, dk, dv, lse, delta, mask.q_offsets, mask.k_offsets, seed, tiles,
-            *strides, NQ, NK, S, mask.max_k, *dropout, DROPOUT=p > 0, SHORT=short, FLAT=flat, **constants)
+    _launch(_bwd_dq, (S + 1, triton.cdiv(mask.max_q, B), H),
+            q, k, v, dout, dq, lse, delta, mask.q_offsets, mask.k_offsets, seed, *strides,
+            NQ, S, mask.max_k, *dropout, DROPOUT=p > 0, SHORT=short, **constants)
+    _launch(_bwd_dkv, (S + 1, triton.cdiv(mask.max_k, B), H),
+            q, k, v, dout, dk, dv, lse, delta, mask.q_offsets, mask.k_offsets, seed, *strides,
+            NQ, NK, S, mask.max_k, *dropout, DROPOUT=p > 0, SHORT=short, **constants)
     return tuple(g.unsqueeze(0).transpose(1, 2) for g in (dq, dk, dv))
 
 
