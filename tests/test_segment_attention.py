@@ -210,14 +210,16 @@ def test_triton_path_against_block_diagonal_reference(dtype, device, causal, exa
     """Random segments (one of length 1, an empty one, one of the longest) over two tiles of rows, a
     tail, token-major q/k/v views; forward and gradients against the fp64 oracle, with the kernels' own
     keep-mask under dropout; every output element written, the tail rows exactly zero. ``short_backward``:
-    the segments within one tile take the one-kernel backward (SHORT_BACKWARD), the others the two."""
+    64-row tiles, the segments within one take the one-kernel backward (SHORT_BACKWARD), the others the
+    two; otherwise 32-row tiles."""
     if device == "cpu" and dtype in LOW_PRECISION:
         pytest.skip("Triton's interpreter runs fp32")
     kernels_module = seg._triton_kernels()
-    short_was = kernels_module.SHORT_BACKWARD
     generator = torch.Generator().manual_seed(request.node.ls_seed)
     H, D = (2, 16) if device == "cpu" else (8, 64)
-    q, k, v, mask = triton_streams(generator, device, dtype, causal, H, D, segments=9, longest=45)
+    # the longest segments over two tiles, so that both backwards run where the short one is on
+    q, k, v, mask = triton_streams(generator, device, dtype, causal, H, D, segments=9,
+                                   longest=90 if short_backward else 45)
     dout = torch.randn(q.shape, generator=generator).to(device)
     assert seg.triton_runs(q, k, v, mask)
     torch.manual_seed(request.node.ls_seed)
@@ -230,11 +232,9 @@ def test_triton_path_against_block_diagonal_reference(dtype, device, causal, exa
 
     with monkeypatch.context() as patched:
         nan_empty(patched, device)
-        kernels_module.SHORT_BACKWARD = short_backward
-        try:
-            got = run(kernels, q, k, v, dout, dtype)
-        finally:
-            kernels_module.SHORT_BACKWARD = short_was
+        patched.setattr(kernels_module, "SHORT_BACKWARD", short_backward)
+        assert kernels_module.block_rows(q.shape[2], mask.segments) == (64 if short_backward else 32)
+        got = run(kernels, q, k, v, dout, dtype)
     ref64 = run(lambda *t: seg.segment_attention_reference(*t, mask, p, True, keep), q, k, v, dout, torch.float64)
     low = run(lambda *t: seg.segment_attention_reference(*t, mask, p, True, keep), q, k, v, dout, dtype)
     assert got[0].transpose(1, 2).is_contiguous(), "the output is token-major (the out projection merges a view)"

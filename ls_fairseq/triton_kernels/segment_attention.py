@@ -290,17 +290,19 @@ def _keep(KEEP, QOFF, KOFF, SEED, NQ, NK, S, MAXK, p_drop, H: tl.constexpr, BM: 
 
 
 # Segments within one tile each way take _bwd_short (one kernel, the probabilities computed once) instead
-# of the dq and dk/dv kernels where LS_FAIRSEQ_TRITON_SHORT_BACKWARD=1. It passed its GPU tests and was
-# faster with 64-row tiles, slower with 32 (scripts/bench_segment_attention.py, H100, 2026-12-06); off
-# until a training benchmark shows which tiles it should take.
+# of the dq and dk/dv kernels where LS_FAIRSEQ_TRITON_SHORT_BACKWARD=1, with tiles of 64 rows, so that
+# nearly every WMT sentence fits one: 0.33 against 0.46 ms a layer forward + backward with 32-row tiles
+# and two kernels (scripts/bench_segment_attention.py, H200, 2026-12-06); with 32-row tiles it was
+# slower for causal attention. Off until its training benchmark and GPU tests at 64 rows.
 SHORT_BACKWARD = os.environ.get("LS_FAIRSEQ_TRITON_SHORT_BACKWARD") == "1"
 
 
 def block_rows(rows, segments):
     """The tile's rows (query rows of a program, keys of a step): 32 for streams of short segments
-    (WMT's ~30-token sentences fill one such tile), 64 where segments average 48 rows or more. From
-    the stream's shape alone (a host int each), so that a CUDA graph's shape fixes it."""
-    return 64 if rows >= 48 * segments else 32
+    (WMT's ~30-token sentences fill one such tile), 64 where segments average 48 rows or more, and 64
+    with the one-kernel short backward. From the stream's shape alone (a host int each), so that a CUDA
+    graph's shape fixes it."""
+    return 64 if SHORT_BACKWARD or rows >= 48 * segments else 32
 
 
 def fits(q, k, v, mask):
