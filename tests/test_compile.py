@@ -325,6 +325,16 @@ def test_hf_bert_training_step_compiled_matches_eager_without_dropout():
             assert_within(p.grad, want[name], 1e-5, name)
 
 
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_hf_models_under_autocast_compile_whole_within_twice_hfs_error(family):
+    """bf16 autocast on the CPU: the ls layers' casts and autocast switched off inside them trace into one graph,
+    whose outputs and gradients keep the eager layers' 2x rule against HF (test_hf_families)."""
+    pytest.importorskip("transformers")
+    from test_hf_families import assert_autocast_within_twice_hfs_error
+
+    assert_autocast_within_twice_hfs_error(family, "cpu", torch.bfloat16, compiled=True)
+
+
 # ---- (d) training: forward and backward compiled against eager, graph breaks counted ----
 
 
@@ -509,6 +519,15 @@ def test_gpu_compiled_hf_bert_matches_eager_by_the_2x_rule(dtype):
     assert err_ls <= 2 * err_hf + 1e-6, (err_ls, err_hf)
     assert err_ls <= 2 * err_eager + 1e-6, (err_ls, err_eager)  # no less exact than the eager ls BERT
     assert_within(got, eager, 1e-2, "compiled against eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_compiled_hf_bert_under_autocast_within_twice_hfs_error(dtype):
+    pytest.importorskip("transformers")
+    from test_hf_families import assert_autocast_within_twice_hfs_error
+
+    assert_autocast_within_twice_hfs_error("bert", "cuda", dtype, compiled=True)
 
 
 @pytest.mark.gpu

@@ -166,15 +166,17 @@ def autocast_models(family, device="cpu"):
     return copy.deepcopy(base).double(), copy.deepcopy(base), replace_layers(copy.deepcopy(base)), inputs, keep
 
 
-def assert_autocast_within_twice_hfs_error(family, device, dtype):
-    """Under torch.autocast(device, dtype) the ls model gives the output dtype HF's gives, and its error against
-    an fp64 run (no autocast) is at most twice HF's own under the same autocast, outputs and gradients."""
+def assert_autocast_within_twice_hfs_error(family, device, dtype, compiled=False):
+    """Under torch.autocast(device, dtype) the ls model (``compiled``: under torch.compile, fullgraph) gives the
+    output dtype HF's gives, and its error against an fp64 run (no autocast) is at most twice HF's own (eager)
+    under the same autocast, outputs and gradients."""
     oracle, hf, ls, inputs, keep = autocast_models(family, device)
+    run_ls = torch.compile(ls, fullgraph=True) if compiled else ls
     results, dtypes, dy = {}, {}, None
     for name, model in (("oracle", oracle), ("hf", hf), ("ls", ls)):
         cast = {k: v.to(next(model.parameters()).dtype) if v.is_floating_point() else v for k, v in inputs.items()}
         with torch.autocast(device, dtype=dtype, enabled=name != "oracle"):
-            out = model(**cast).last_hidden_state
+            out = (run_ls if name == "ls" else model)(**cast).last_hidden_state
         dtypes[name] = out.dtype
         if dy is None:
             dy = torch.randn(out.shape, dtype=torch.float64, device=device)
@@ -184,7 +186,8 @@ def assert_autocast_within_twice_hfs_error(family, device, dtype):
         results[name] = (rows.double(), {k: g.double() for k, g in layer_grads(model).items()})
     assert dtypes["ls"] == dtypes["hf"], dtypes  # fp32: the residual stream leaves a LayerNorm in fp32 in both
     err = {n: (results[n][0] - results["oracle"][0]).abs().max().item() for n in ("hf", "ls")}
-    print("{} {} {}: output error ls {:.3g}, HF {:.3g}".format(family, device, dtype, err["ls"], err["hf"]))
+    print("{} {} {}{}: output error ls {:.3g}, HF {:.3g}".format(family, device, dtype, " compiled" * compiled,
+                                                                 err["ls"], err["hf"]))
     assert err["ls"] <= 2 * err["hf"] + 1e-6, err
     for key, want in results["oracle"][1].items():
         err_hf = (results["hf"][1][key] - want).abs().max().item()
