@@ -92,6 +92,7 @@ setup(
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     entry_points={"console_scripts": ["ls-fairseq-train = ls_fairseq.train:cli_main"]},
-    # python -m ls_fairseq.convert to-ctranslate2; ls_fairseq.hf: the fused layer in Hugging Face BERT models
-    extras_require={"ctranslate2": ["ctranslate2>=4.5"], "hf": ["transformers>=5,<6"]},
+    # python -m ls_fairseq.convert to-ctranslate2; ls_fairseq.hf: the fused layers in Hugging Face models, with
+    # accelerate for transformers' Trainer (its fp16/bf16 training with ls layers)
+    extras_require={"ctranslate2": ["ctranslate2>=4.5"], "hf": ["transformers>=5,<6", "accelerate>=1.1,<2"]},
 )

@@ -201,18 +201,8 @@ def _check_call(kwargs, encoder_hidden_states=None):
 
 def _run(layer, x, mask, packed, **options):
     """``layer`` on x [B, T, d]; a SegmentMask runs the batch as one stream of B x T rows (flash's layout). Under
-    torch.autocast the layer runs in the autocast dtype (its input and parameters cast, differentiably, as
-    autocast casts Hugging Face's GEMM weights), with autocast off inside: the fused ops take one dtype."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        params = {name: p.to(dtype) for name, p in layer.named_parameters()}
-
-        def cast_layer(x, mask, **options):
-            return torch.func.functional_call(layer, params, (x, mask), options)
-
-        with torch.autocast(device, enabled=False):
-            return _run(cast_layer, x.to(dtype), mask, packed, **options)
+    torch.autocast the layer runs as Hugging Face's would (ls_fairseq.layers: GEMMs in the autocast dtype, the
+    residual stream and LayerNorms in x's)."""
     if not packed:
         return layer(x, mask, **options)
     B, T, d = x.shape

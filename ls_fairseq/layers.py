@@ -20,7 +20,16 @@ In backward the residual's gradient is not added by autograd: the block's end ha
 the block's first op on x (post-LN: the first GEMM, which accumulates into it; pre-LN: the
 LayerNorm), see ops.residual. Under torch.compile there is no hand-off: autograd adds the residual's
 gradient inside the graph, where the compiler can fuse the add.
+
+Under torch.autocast the layers run in the dtypes torch's own layers run in there (Hugging Face's under
+the Trainer's fp16/bf16): the GEMMs and what runs between two GEMMs (the projections' biases, the
+attention, the activation) in the autocast dtype, the residual stream and its ops (bias_dropout_residual,
+the LayerNorms) in x's dtype, as autocast leaves a LayerNorm of an fp32 residual stream in fp32. The fused
+ops take one dtype each, so autocast is off inside the layer and the casts are the layer's (``_autocast``);
+without autocast every cast is a no-op. The residual's gradient is then autograd's (no hand-off: the
+block's first op and its end run in different dtypes).
 """
+import contextlib
 import math
 
 import torch
@@ -36,6 +45,16 @@ def _xavier_blocks(weight, block_rows, gain):
     """fairseq's init of separate q/k/v projections, applied block by block."""
     for start in range(0, weight.shape[0], block_rows):
         nn.init.xavier_uniform_(weight.data[start : start + block_rows], gain=gain)
+
+
+def _autocast(x):
+    """(the dtype of the GEMMs and of what runs between them, the context to run the layer in): under
+    torch.autocast on x's device its dtype and autocast switched off (module docstring), else x's dtype and
+    nothing."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device), torch.autocast(device, enabled=False)
+    return x.dtype, contextlib.nullcontext()
 
 
 class SelfAttention(nn.Module):
@@ -100,27 +119,31 @@ class _Layer(nn.Module):
         return self.fp8.get(name) if self.training else None
 
     def _block_output(self, out, bias, x, ln, residual):
-        """The block's end: x + dropout(out + bias), then LN post-LN (one op)."""
+        """The block's end: x + dropout(out + bias), then LN post-LN (one op), in x's dtype (out cast to it)."""
+        out, bias = out.to(x.dtype), bias.to(x.dtype)
         if self.normalize_before:
             return ops.bias_dropout_residual(out, bias, x, self.dropout, self.training, residual_grad=residual)
         return ops.bias_dropout_residual_layer_norm(out, bias, x, ln.weight, ln.bias, self.dropout, self.training,
                                                     eps=self.layer_norm_eps, residual_grad=residual)
 
-    def _block_input(self, x, ln):
-        """(h, residual, gemm_residual) for a block on x: h its branch's input (x, or LN(x) pre-LN);
-        residual the ops.ResidualGrad that hands the residual's gradient from the block's end to its
-        first op on x (pre-LN: the LayerNorm; post-LN: the first GEMM, given gemm_residual)."""
-        # under torch.compile autograd adds the residual's gradient, in the graph (no hand-off)
-        residual = None if dispatch.compiling() else ops.ResidualGrad()
+    def _block_input(self, x, ln, dtype):
+        """(h, residual, gemm_residual) for a block on x: h its branch's input in ``dtype`` (the GEMMs': x, or
+        LN(x) pre-LN, the LayerNorm in x's dtype); residual the ops.ResidualGrad that hands the residual's
+        gradient from the block's end to its first op on x (pre-LN: the LayerNorm; post-LN: the first GEMM,
+        given gemm_residual)."""
+        # under torch.compile autograd adds the residual's gradient, in the graph (no hand-off); under autocast too
+        residual = None if dispatch.compiling() or dtype != x.dtype else ops.ResidualGrad()
         if self.normalize_before:
-            return ops.layer_norm(x, ln.weight, ln.bias, self.layer_norm_eps, residual_grad=residual), residual, None
-        return x, residual, residual
+            h = ops.layer_norm(x, ln.weight, ln.bias, self.layer_norm_eps, residual_grad=residual)
+            return h.to(dtype), residual, None
+        return x.to(dtype), residual, residual
 
-    def _self_attention(self, x, mask, cache=None):
+    def _self_attention(self, x, mask, dtype, cache=None):
         attn = self.self_attn
-        h, residual, gemm_residual = self._block_input(x, self.self_attn_layer_norm)
-        q, k, v = ops.split_heads(ops.linear(h, attn.qkv_proj.weight, residual_grad=gemm_residual, fp8=self._fp8("qkv")),
-                                  attn.qkv_proj.bias, attn.num_heads, 3, attn.scaling, token_major=True)
+        h, residual, gemm_residual = self._block_input(x, self.self_attn_layer_norm, dtype)
+        qkv = ops.linear(h, attn.qkv_proj.weight.to(dtype), residual_grad=gemm_residual, fp8=self._fp8("qkv"))
+        q, k, v = ops.split_heads(qkv, attn.qkv_proj.bias.to(dtype), attn.num_heads, 3, attn.scaling,
+                                  token_major=True)
         if callable(cache):  # an external cache (Hugging Face's): it appends the new keys and values, gives all
             k, v = cache(k, v)
         elif cache is not None:
@@ -129,14 +152,15 @@ class _Layer(nn.Module):
                 v = torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
         ctx = ops.attention(q, k, v, mask, self.attention_dropout, self.training, self.deterministic)
-        out = ops.linear(ctx, attn.out_proj.weight, heads=True, fp8=self._fp8("out"))
+        out = ops.linear(ctx, attn.out_proj.weight.to(dtype), heads=True, fp8=self._fp8("out"))
         return self._block_output(out, attn.out_proj.bias, x, self.self_attn_layer_norm, residual)
 
-    def _ffn(self, x):
-        h, residual, gemm_residual = self._block_input(x, self.final_layer_norm)
-        h = ops.linear_bias_act(h, self.fc1.weight, self.fc1.bias, self.activation_fn, self.activation_dropout,
-                                self.training, residual_grad=gemm_residual, fp8=self._fp8("fc1"))
-        return self._block_output(ops.linear(h, self.fc2.weight, fp8=self._fp8("fc2")), self.fc2.bias, x,
+    def _ffn(self, x, dtype):
+        h, residual, gemm_residual = self._block_input(x, self.final_layer_norm, dtype)
+        h = ops.linear_bias_act(h, self.fc1.weight.to(dtype), self.fc1.bias.to(dtype), self.activation_fn,
+                                self.activation_dropout, self.training, residual_grad=gemm_residual,
+                                fp8=self._fp8("fc1"))
+        return self._block_output(ops.linear(h, self.fc2.weight.to(dtype), fp8=self._fp8("fc2")), self.fc2.bias, x,
                                   self.final_layer_norm, residual)
 
 
@@ -156,8 +180,9 @@ class EncoderLayer(_Layer):
         super().__init__(embed_dim, num_heads, ffn_dim, gemms=_LAYER_GEMMS, **kwargs)
 
     def forward(self, x, mask):
-        x = self._self_attention(x, mask)
-        return self._ffn(x)
+        dtype, autocast_off = _autocast(x)
+        with autocast_off:
+            return self._ffn(self._self_attention(x, mask, dtype), dtype)
 
 
 class DecoderLayer(_Layer):
@@ -180,18 +205,22 @@ class DecoderLayer(_Layer):
         ``cache`` (a dict) holds the self-attention keys/values in incremental decoding (x then the
         new tokens alone, ``self_mask`` ops.AttentionMask(causal=True)); or a function (k, v) -> (k, v)
         that appends the new keys and values [B, heads, T, d_head] to a cache of its own and gives all."""
-        x = self._self_attention(x, self_mask, cache=cache)
-        if self.encoder_attn is None:
-            return self._ffn(x)
+        dtype, autocast_off = _autocast(x)
+        with autocast_off:
+            x = self._self_attention(x, self_mask, dtype, cache=cache)
+            if self.encoder_attn is not None:
+                x = self._cross_attention(x, enc_k.to(dtype), enc_v.to(dtype), enc_mask, dtype)
+            return self._ffn(x, dtype)
+
+    def _cross_attention(self, x, enc_k, enc_v, enc_mask, dtype):
         attn = self.encoder_attn
-        h, residual, gemm_residual = self._block_input(x, self.encoder_attn_layer_norm)
-        (q,) = ops.split_heads(ops.linear(h, attn.q_proj.weight, residual_grad=gemm_residual, fp8=self._fp8("q")),
-                               attn.q_proj.bias, attn.num_heads, 1, attn.scaling)
+        h, residual, gemm_residual = self._block_input(x, self.encoder_attn_layer_norm, dtype)
+        q = ops.linear(h, attn.q_proj.weight.to(dtype), residual_grad=gemm_residual, fp8=self._fp8("q"))
+        (q,) = ops.split_heads(q, attn.q_proj.bias.to(dtype), attn.num_heads, 1, attn.scaling)
         ctx = ops.attention(q, enc_k, enc_v, enc_mask, self.attention_dropout, self.training, self.deterministic,
                             exact_row_term=self.exact_cross_attention)
-        out = ops.linear(ctx, attn.out_proj.weight, heads=True, fp8=self._fp8("cross_out"))
-        x = self._block_output(out, attn.out_proj.bias, x, self.encoder_attn_layer_norm, residual)
-        return self._ffn(x)
+        out = ops.linear(ctx, attn.out_proj.weight.to(dtype), heads=True, fp8=self._fp8("cross_out"))
+        return self._block_output(out, attn.out_proj.bias, x, self.encoder_attn_layer_norm, residual)
 
     def forward_step(self, x, cache, index):
         """One step of incremental decoding (ls_fairseq.generation): x [N, 1, d] for the token at the
@@ -201,24 +230,25 @@ class DecoderLayer(_Layer):
         keys and values of the encoder output (computed once per batch, one row per sentence) with
         the beams of a sentence as one block of queries, so they are never copied per beam. Both
         attention ops take their projection's GEMM output as it is, adding the bias and scaling
-        the query themselves (no split_heads launch)."""
+        the query themselves (no split_heads launch). It runs in x's dtype (the generator's; autocast
+        is not read)."""
         attn = self.self_attn
-        h, residual, _ = self._block_input(x, self.self_attn_layer_norm)
+        h, residual, _ = self._block_input(x, self.self_attn_layer_norm, x.dtype)
         q, k, v = ops.linear(h, attn.qkv_proj.weight).view(x.shape[0], 3, attn.num_heads, 1, -1).unbind(1)
         ctx = cache.attend(index, q, k, v, attn.qkv_proj.bias, attn.scaling)
         x = self._block_output(ops.linear(ctx, attn.out_proj.weight, heads=True), attn.out_proj.bias, x,
                                self.self_attn_layer_norm, residual)
         if self.encoder_attn is None:  # a decoder-only layer
-            return self._ffn(x)
+            return self._ffn(x, x.dtype)
         attn = self.encoder_attn
-        h, residual, _ = self._block_input(x, self.encoder_attn_layer_norm)
+        h, residual, _ = self._block_input(x, self.encoder_attn_layer_norm, x.dtype)
         enc_k, enc_v, enc_mask = cache.encoder(index)
         N, B, H = x.shape[0], enc_k.shape[0], attn.num_heads
         q = ops.linear(h, attn.q_proj.weight).view(B, N // B, H, -1).transpose(1, 2)
         ctx = beam_attention(q, enc_k, enc_v, enc_mask, attn.q_proj.bias, attn.scaling)
         out = ops.linear(ctx, attn.out_proj.weight, heads=True).reshape(N, 1, -1)
         x = self._block_output(out, attn.out_proj.bias, x, self.encoder_attn_layer_norm, residual)
-        return self._ffn(x)
+        return self._ffn(x, x.dtype)
 
 
 class Embedding(nn.Module):

@@ -161,12 +161,14 @@ def _binding_arities():
     return arities
 
 
-@pytest.mark.xfail(strict=True, reason="issue 62: fails on the CPU for a reason not diagnosed before the deadline "
-                   "(the harness or a real arity mismatch); run it alone and read its error")
 def test_the_compile_path_passes_every_argument_each_kernel_binding_declares(monkeypatch):
-    """On the CPU, with each route's kernels replaced by the references behind a check of the binding's arity:
+    """On the CPU, with each route's kernels replaced by the references behind a check of the kernel's arity:
     a compiled training step (forward and backward of every custom op) calls each kernel with all its
-    arguments (the GPU run found the backwards called with fewer: pybind11 rejects them)."""
+    arguments (the GPU run found the backwards called with fewer: pybind11 rejects them). A route's kernel that
+    is a Python function calling the binding (``<op>_<direction>_kernel`` in the op's module: the embedding's
+    forward, which makes the sinusoid table first) is checked against its own signature."""
+    import inspect
+
     arities = _binding_arities()
     routes = {"layer_norm": "LAYER_NORM_ROUTE", "bias_dropout_residual": "BIAS_DROPOUT_RESIDUAL_ROUTE",
               "bias_dropout_residual_layer_norm": "BIAS_DROPOUT_RESIDUAL_LAYER_NORM_ROUTE",
@@ -174,18 +176,23 @@ def test_the_compile_path_passes_every_argument_each_kernel_binding_declares(mon
               "embedding": "EMBEDDING_ROUTE", "cross_entropy": "CROSS_ENTROPY_ROUTE"}
     calls = []
 
-    def strict(fn, name):
+    def strict(fn, op_name, name):
+        wrapper = getattr(module(op_name), name + "_kernel", None)
+
         def call(*args):
             calls.append(name)
-            assert len(args) == arities[name], "{} called with {} arguments, the binding takes {}".format(
-                name, len(args), arities[name])
+            if wrapper is not None:
+                inspect.signature(wrapper).bind(*args)  # TypeError where the wrapper would reject them
+            else:
+                assert len(args) == arities[name], "{} called with {} arguments, the binding takes {}".format(
+                    name, len(args), arities[name])
             return fn(*args)
         return call
 
     for op_name, route_name in routes.items():
         route = getattr(module(op_name), route_name)
-        kernel = tuple(strict(fn, "{}_{}".format(op_name, d)) for fn, d in zip(route.reference,
-                                                                                ("forward", "backward")))
+        kernel = tuple(strict(fn, op_name, "{}_{}".format(op_name, d)) for fn, d in zip(route.reference,
+                                                                                         ("forward", "backward")))
         monkeypatch.setattr(route, "kernel", kernel)
     # these routes pick their (strict) kernels; the fused attention kernel stays out (it has no reference pair)
     monkeypatch.setattr(dispatch, "use_kernel", lambda op, tensor: op in routes)
@@ -316,6 +323,16 @@ def test_hf_bert_training_step_compiled_matches_eager_without_dropout():
     for name, p in model.named_parameters():
         if name in want:
             assert_within(p.grad, want[name], 1e-5, name)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_hf_models_under_autocast_compile_whole_within_twice_hfs_error(family):
+    """bf16 autocast on the CPU: the ls layers' casts and autocast switched off inside them trace into one graph,
+    whose outputs and gradients keep the eager layers' 2x rule against HF (test_hf_families)."""
+    pytest.importorskip("transformers")
+    from test_hf_families import assert_autocast_within_twice_hfs_error
+
+    assert_autocast_within_twice_hfs_error(family, "cpu", torch.bfloat16, compiled=True)
 
 
 # ---- (d) training: forward and backward compiled against eager, graph breaks counted ----
@@ -481,7 +498,10 @@ def test_gpu_compiled_graph_routes_each_call_at_run_time(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_compiled_hf_bert_matches_eager_by_the_2x_rule(dtype):
     """The compiled ls BERT's error against an fp64 run is at most twice eager HF's own, as the eager ls
-    BERT's is (test_hf), and it matches the eager ls BERT."""
+    BERT's is (test_hf), and twice the eager ls BERT's, and it matches the eager ls BERT. The errors print
+    (-rA shows them): the first GPU run found compiled - eager 0.125 in one dtype against 0.01 x 4.47 allowed,
+    after the 2x rule against HF had passed; the errors tell whether the compiled graph is less exact than eager
+    or rounds differently (4 units in bf16's last place at 4.47 are 0.125)."""
     pytest.importorskip("transformers")
     from test_hf import gpu_berts
 
@@ -493,8 +513,21 @@ def test_gpu_compiled_hf_bert_matches_eager_by_the_2x_rule(dtype):
         eager = ls(ids, attention_mask=mask).last_hidden_state[rows]
         got = torch.compile(ls, fullgraph=True)(ids, attention_mask=mask).last_hidden_state[rows]
     err_ls = (got.double() - want).abs().max().item()
+    err_eager = (eager.double() - want).abs().max().item()
+    print("{}: error against fp64: HF {:.3g}, ls eager {:.3g}, ls compiled {:.3g}; compiled - eager {:.3g}".format(
+        dtype, err_hf, err_eager, err_ls, (got.double() - eager.double()).abs().max().item()))
     assert err_ls <= 2 * err_hf + 1e-6, (err_ls, err_hf)
+    assert err_ls <= 2 * err_eager + 1e-6, (err_ls, err_eager)  # no less exact than the eager ls BERT
     assert_within(got, eager, 1e-2, "compiled against eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_compiled_hf_bert_under_autocast_within_twice_hfs_error(dtype):
+    pytest.importorskip("transformers")
+    from test_hf_families import assert_autocast_within_twice_hfs_error
+
+    assert_autocast_within_twice_hfs_error("bert", "cuda", dtype, compiled=True)
 
 
 @pytest.mark.gpu
