@@ -88,7 +88,8 @@ def one_configuration(family, config, args, device):
     from ls_fairseq.hf import replace_layers
 
     torch.manual_seed(0)
-    model = make_model(family, "eager" if config == "hf-eager" else "sdpa", args.tiny)
+    with torch.device(device):  # initialised where it runs: seconds less a configuration on the GPU
+        model = make_model(family, "eager" if config == "hf-eager" else "sdpa", args.tiny)
     if config.startswith("ls"):
         replace_layers(model)
     model = model.to(device, torch.bfloat16).train()
