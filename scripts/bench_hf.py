@@ -7,7 +7,8 @@ eager and under torch.compile, bf16, in one run.
 Families (random init from configs: nothing is downloaded):
 - bert128, bert512: BertForSequenceClassification, the bert-base shape, sequence 128 batch 128 and sequence
   512 batch 32, one sentence in eight padded to half length;
-- gpt2: GPT2LMHeadModel, GPT-2 small (124M), sequence 1,024, batch 8, labels the inputs;
+- gpt2: GPT2LMHeadModel, GPT-2 small (124M), sequence 1,024, batch 8, labels the inputs, an all-ones
+  attention_mask (run_clm's batches: HF's sdpa reads it on the host and takes FlashAttention, ls does not read it);
 - vit: ViTForImageClassification, ViT-B/16 at 224x224 (197 tokens), batch 64, 1,000 classes.
 Configurations: hf-eager (HF's eager attention), hf-sdpa, hf-compile (HF sdpa under torch.compile), ls-eager
 (every layer replaced: ls_fairseq.hf.replace_layers), ls-compile (the same under torch.compile).
@@ -88,7 +89,8 @@ def one_configuration(family, config, args, device):
     from ls_fairseq.hf import replace_layers
 
     torch.manual_seed(0)
-    model = make_model(family, "eager" if config == "hf-eager" else "sdpa", args.tiny)
+    with torch.device(device):  # initialised where it runs: seconds less a configuration on the GPU
+        model = make_model(family, "eager" if config == "hf-eager" else "sdpa", args.tiny)
     if config.startswith("ls"):
         replace_layers(model)
     model = model.to(device, torch.bfloat16).train()

@@ -451,6 +451,21 @@ def _use_kernels(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_every_custom_op_passes_opcheck_with_the_kernels():
+    """The CPU cases on the GPU (fp32: the kernels store it): the fake implementations' shapes, dtypes and strides
+    against the kernels' outputs, and the registered autograd, where a mismatch would make a compiled graph read
+    the kernels' outputs with the wrong layout."""
+    def cuda(a):
+        return a.detach().cuda().requires_grad_(a.requires_grad) if torch.is_tensor(a) else a
+
+    for name, custom, args in _opcheck_cases():
+        try:
+            torch.library.opcheck(custom, tuple(cuda(a) for a in args))
+        except Exception as e:
+            raise AssertionError("opcheck of {} on the GPU: {}".format(name, e)) from e
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_compiled_encoder_layer_runs_the_kernels_and_matches_eager(dtype, monkeypatch):
     """fp16/bf16 with the kernels: the compiled post-LN gelu layer's output and gradients match eager's
@@ -523,15 +538,6 @@ def test_gpu_compiled_hf_bert_matches_eager_by_the_2x_rule(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_compiled_hf_bert_under_autocast_within_twice_hfs_error(dtype):
-    pytest.importorskip("transformers")
-    from test_hf_families import assert_autocast_within_twice_hfs_error
-
-    assert_autocast_within_twice_hfs_error("bert", "cuda", dtype, compiled=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_compiled_dropout_kernels_apply_one_mask_in_both_directions(dtype):
     """The graph's keep-mask goes to the forward kernel as its given mask and to the backward kernel
     through _C.dropout_from_mask: an element's gradient is zero exactly where its output was dropped."""
@@ -561,15 +567,9 @@ def test_gpu_training_with_dropout_and_kernels_compiles():
 
 
 @pytest.mark.gpu
-def test_gpu_every_custom_op_passes_opcheck_with_the_kernels():
-    """The CPU cases on the GPU (fp32: the kernels store it): the fake implementations' shapes, dtypes and strides
-    against the kernels' outputs, and the registered autograd, where a mismatch would make a compiled graph read
-    the kernels' outputs with the wrong layout."""
-    def cuda(a):
-        return a.detach().cuda().requires_grad_(a.requires_grad) if torch.is_tensor(a) else a
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_compiled_hf_bert_under_autocast_within_twice_hfs_error(dtype):
+    pytest.importorskip("transformers")
+    from test_hf_families import assert_autocast_within_twice_hfs_error
 
-    for name, custom, args in _opcheck_cases():
-        try:
-            torch.library.opcheck(custom, tuple(cuda(a) for a in args))
-        except Exception as e:
-            raise AssertionError("opcheck of {} on the GPU: {}".format(name, e)) from e
+    assert_autocast_within_twice_hfs_error("bert", "cuda", dtype, compiled=True)

@@ -70,6 +70,53 @@ def test_the_encoder_layer_matches_plain_pytorch_with_padding(normalize_before, 
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("normalize_before", [False, True])
+def test_the_encoder_layer_under_autocast_keeps_plain_pytorchs_dtypes_within_twice_its_error(normalize_before):
+    """bf16 autocast on the CPU: the output in x's dtype (fp32) as the plain PyTorch layer's under the same
+    autocast, and the error against an fp64 run at most twice that layer's, output and every gradient."""
+    layer = EncoderLayer(64, 4, 128, normalize_before=normalize_before, activation_fn="gelu")
+    B, T = 4, 9
+    padding_mask = torch.zeros(B, T, dtype=torch.bool)
+    padding_mask[1, 6:] = True
+    keep = ~padding_mask
+    x = torch.randn(B, T, 64)
+    dy = torch.randn(B, T, 64, dtype=torch.float64) * keep[..., None]
+    results = {}
+    for name in ("oracle", "plain", "ls"):
+        model = layer.double() if name == "oracle" else layer.float()
+        inp = x.to(next(model.parameters()).dtype).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name != "oracle"):
+            if name == "ls":
+                out = model(inp, AttentionMask(padding_mask))
+            else:
+                out = reference_encoder_layer(model, inp, padding_mask, normalize_before)
+        grads = torch.autograd.grad(out, [inp] + list(model.parameters()), dy.to(out.dtype))
+        results[name] = (out.dtype, out[keep].double(), [g.double() for g in grads])
+    assert results["ls"][0] == results["plain"][0] == torch.float32, (results["ls"][0], results["plain"][0])
+    err = {n: (results[n][1] - results["oracle"][1]).abs().max().item() for n in ("plain", "ls")}
+    assert err["ls"] <= 2 * err["plain"] + 1e-6, err
+    for i, want in enumerate(results["oracle"][2]):
+        err_plain = (results["plain"][2][i] - want).abs().max().item()
+        err_ls = (results["ls"][2][i] - want).abs().max().item()
+        assert err_ls <= 2 * err_plain + 1e-6 * want.abs().max().item(), (i, err_ls, err_plain)
+
+
+def test_a_decoder_layer_with_cross_attention_runs_under_autocast():
+    """bf16 autocast on the CPU: the cross-attention's GEMMs and attention in bf16 (the encoder's keys and values
+    cast to it), the output in x's dtype, within bf16's reach of the fp32 run, gradients for every parameter."""
+    layer = DecoderLayer(32, 4, 48, activation_fn="gelu")
+    x = torch.randn(2, 5, 32)
+    enc_k, enc_v = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    args = (AttentionMask(causal=True), enc_k, enc_v, AttentionMask(torch.zeros(2, 6, dtype=torch.bool)))
+    want = layer(x, *args)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x, *args)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, want, rtol=0, atol=0.05 * want.abs().max().item())
+    out.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
 def test_a_decoder_only_layer_is_causal_and_decodes_incrementally():
     layer = DecoderLayer(16, 2, 24, cross_attention=False, normalize_before=True, activation_fn="gelu")
     x = torch.randn(2, 5, 16)
