@@ -169,7 +169,9 @@ def autocast_models(family, device="cpu"):
 def assert_autocast_within_twice_hfs_error(family, device, dtype, compiled=False):
     """Under torch.autocast(device, dtype) the ls model (``compiled``: under torch.compile, fullgraph) gives the
     output dtype HF's gives, and its error against an fp64 run (no autocast) is at most twice HF's own (eager)
-    under the same autocast, outputs and gradients."""
+    under the same autocast, outputs and gradients. A gradient's error is the norm of its difference: the largest
+    entry's error of a 64-wide bias is one bf16 rounding, and between two models of equal precision its ratio passed
+    2 in 5 of 30 seeds (ViT's key bias, whose exact gradient is 0); the norm's ratio stayed under 1.8 in 100."""
     oracle, hf, ls, inputs, keep = autocast_models(family, device)
     run_ls = torch.compile(ls, fullgraph=True) if compiled else ls
     results, dtypes, dy = {}, {}, None
@@ -190,9 +192,9 @@ def assert_autocast_within_twice_hfs_error(family, device, dtype, compiled=False
                                                                  err["ls"], err["hf"]))
     assert err["ls"] <= 2 * err["hf"] + 1e-6, err
     for key, want in results["oracle"][1].items():
-        err_hf = (results["hf"][1][key] - want).abs().max().item()
-        err_ls = (results["ls"][1][key] - want).abs().max().item()
-        assert err_ls <= 2 * err_hf + 1e-6 * want.abs().max().item(), (key, err_ls, err_hf)
+        err_hf = (results["hf"][1][key] - want).norm().item()
+        err_ls = (results["ls"][1][key] - want).norm().item()
+        assert err_ls <= 2 * err_hf + 1e-6 * want.norm().item(), (key, err_ls, err_hf)
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2", "vit"])
@@ -265,9 +267,9 @@ def test_gpu_ls_layers_against_hfs_own_by_the_2x_rule(family, dtype):
     err = {n: (results[n][0] - results["oracle"][0]).abs().max().item() for n in ("hf", "ls")}
     assert err["ls"] <= 2 * err["hf"] + 1e-6, err
     for key, want in results["oracle"][1].items():
-        err_hf = (results["hf"][1][key] - want).abs().max().item()
-        err_ls = (results["ls"][1][key] - want).abs().max().item()
-        assert err_ls <= 2 * err_hf + 1e-6 * want.abs().max().item(), (key, err_ls, err_hf)
+        err_hf = (results["hf"][1][key] - want).norm().item()
+        err_ls = (results["ls"][1][key] - want).norm().item()
+        assert err_ls <= 2 * err_hf + 1e-6 * want.norm().item(), (key, err_ls, err_hf)
 
 
 @pytest.mark.gpu
