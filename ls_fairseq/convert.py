@@ -24,7 +24,9 @@ it in a temporary file whose ``cfg["model"]`` is a Namespace; every load keeps t
 weights_only on (the Namespace type allowed within the call only). The dictionaries
 (``dict.SRC.txt``, ``dict.TGT.txt``) come from ``--data-dir``, else from the
 checkpoint's folder, else from the data directory the checkpoint was trained on; where
-the checkpoint recorded its dictionaries' fingerprints, those found must match them.
+the checkpoint recorded its dictionaries' fingerprints, those found must match them. A
+language model (fairseq's transformer_lm or ls_transformer_lm; ``ctranslate2.Generator`` loads it)
+has one dictionary, ``dict.txt``, found in the same places.
 
 What the converter cannot take is refused before anything is written, in one line that names
 it, and ``python -m ls_fairseq.convert`` exits with status 2 for every refusal. ls checks what it
@@ -420,14 +422,17 @@ def ctranslate2_input(state, checkpoint, data_dir=None, source_lang=None, target
     task_cfg = _plain(state.get("cfg") or {}).get("task") or {}
     arch = model_cfg.get("arch") or model_cfg.get("_name")
     task = model_cfg.get("task") or task_cfg.get("_name") or "translation"
-    if task != "translation":
-        raise ConversionError("the checkpoint's task is {!r}; to-ctranslate2 converts translation models".format(task))
+    if task not in ("translation", "language_modeling"):
+        raise ConversionError("the checkpoint's task is {!r}; to-ctranslate2 converts translation models and "
+                              "language models".format(task))
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 
     if arch not in ARCH_MODEL_NAME_REGISTRY:
         raise ConversionError("architecture {!r} is not one that fairseq registers; to-ctranslate2 converts "
-                              "fairseq's transformer architectures and ls_transformer's".format(arch))
+                              "fairseq's transformer and transformer_lm architectures and ls_fairseq's".format(arch))
     check_ctranslate2_config(dict(model_cfg, arch=arch))
+    if task == "language_modeling":
+        return _lm_ctranslate2_input(state, checkpoint, data_dir, model_cfg, task_cfg, arch)
     folder, src, tgt = find_dictionaries(
         checkpoint, data_dir, model_cfg.get("data") or task_cfg.get("data"),
         source_lang or model_cfg.get("source_lang") or task_cfg.get("source_lang"),
@@ -436,6 +441,35 @@ def ctranslate2_input(state, checkpoint, data_dir=None, source_lang=None, target
     model_cfg.update(arch=arch, _name=arch, task="translation", data=folder, source_lang=src, target_lang=tgt,
                      user_dir=None)
     cfg = dict(_plain(state.get("cfg") or {}), model=argparse.Namespace(**model_cfg))
+    return {"args": None, "cfg": cfg, "model": state["model"]}, folder
+
+
+def _lm_ctranslate2_input(state, checkpoint, data_dir, model_cfg, task_cfg, arch):
+    """ctranslate2_input for a language model: its one dictionary (``dict.txt``) found as a translation
+    model's are, and the language_modeling task's options beside the model's, since CTranslate2's
+    converter sets the task up from the model's configuration alone."""
+    if data_dir is not None:
+        if not os.path.isdir(data_dir):
+            raise ConversionError("--data-dir {}: no such directory".format(data_dir))
+        places = [data_dir]
+    else:
+        recorded = model_cfg.get("data") or task_cfg.get("data")
+        places = [os.path.dirname(os.path.abspath(checkpoint))] + ([recorded.split(os.pathsep)[0]] if recorded else [])
+    folder = next((p for p in places if os.path.isfile(os.path.join(p, "dict.txt"))), None)
+    if folder is None:
+        raise ConversionError("no dictionary (dict.txt) in {}: give the data-bin directory with --data-dir".format(
+            " or ".join(places)))
+    from fairseq.data import Dictionary
+
+    rows, size = state["model"]["decoder.embed_tokens.weight"].shape[0], len(Dictionary.load(
+        os.path.join(folder, "dict.txt")))
+    if rows != size:
+        raise ConversionError("{} has {} entries, the checkpoint's decoder.embed_tokens.weight {} rows: another "
+                              "dictionary".format(os.path.join(folder, "dict.txt"), size, rows))
+    merged = {k: v for k, v in task_cfg.items() if k != "_name"}
+    merged.update(model_cfg)
+    merged.update(arch=arch, _name=arch, task="language_modeling", data=folder, user_dir=None)
+    cfg = dict(_plain(state.get("cfg") or {}), model=argparse.Namespace(**merged))
     return {"args": None, "cfg": cfg, "model": state["model"]}, folder
 
 
@@ -472,10 +506,11 @@ def main(argv=None):
     p = sub.add_parser("to-ctranslate2", help="an ls or stock checkpoint -> a CTranslate2 model directory",
                        description="An ls or stock fairseq checkpoint -> a CTranslate2 model directory "
                                    "(ctranslate2.Translator loads it).")
-    p.add_argument("input", help="the checkpoint (ls_transformer or fairseq's transformer)")
+    p.add_argument("input", help="the checkpoint (ls_transformer or fairseq's transformer; ls_transformer_lm or "
+                                  "fairseq's transformer_lm)")
     p.add_argument("output", help="the CTranslate2 model directory to write")
-    p.add_argument("--data-dir", help="the folder of dict.SRC.txt and dict.TGT.txt (default: the checkpoint's "
-                                      "folder, else the data-bin it was trained on)")
+    p.add_argument("--data-dir", help="the folder of dict.SRC.txt and dict.TGT.txt, or a language model's "
+                                      "dict.txt (default: the checkpoint's folder, else the data-bin it was trained on)")
     p.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="the weights' type (default: as in the checkpoint); int8 for CPUs, float16/bfloat16 or "
                         "int8_float16 for GPUs")

@@ -9,7 +9,8 @@ import sys
 import pytest
 from conftest import REPO, USER_DIR, bin_path, run
 
-pytestmark = pytest.mark.slow
+# one worker trains the model that the tests share (scripts/test.sh runs pytest-xdist)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lm_cli")]
 
 TRAIN = ["--task", "language_modeling", "--arch", "ls_transformer_lm_gpt2_tiny", "--decoder-embed-dim", "32",
          "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--tokens-per-sample", "64",
@@ -113,6 +114,41 @@ def test_generate_equals_stock_on_the_converted_model(lm_data, trained, options)
     for key, (score, text) in ours.items():  # the same tokens; the scores as two fp32 models' agree
         assert text == theirs[key][1] and abs(score - theirs[key][0]) <= 1e-4, (key, ours[key], theirs[key])
     assert "ls_fairseq: beam search on the device" in log
+
+
+def test_ctranslate2_greedy_equals_fairseq_generate_on_the_converted_model(lm_data, trained, tmp_path):
+    """to-ctranslate2 on the ls checkpoint; ctranslate2.Generator's greedy continuation of each prompt (the first
+    3 tokens of the test split's blocks, after the EOS that starts a language model's decoding) equals
+    fairseq-generate's, which stops at 12 tokens prompt included."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from fairseq import checkpoint_utils
+
+    import ls_fairseq.fairseq_plugin  # noqa: F401 (the checkpoint types allowed for torch.load)
+
+    ls_ckpt, stock_ckpt = trained
+    proc = run([sys.executable, "-m", "ls_fairseq.convert", "to-ctranslate2", str(ls_ckpt), str(tmp_path / "ct2"),
+                "--data-dir", str(lm_data)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours, _ = generate(lm_data, ls_ckpt, "--beam", "1")
+    assert len(ours) >= 100
+    _, _, task = checkpoint_utils.load_model_ensemble_and_task(  # the blocks fairseq-generate reads
+        [str(stock_ckpt)], arg_overrides=dict(data=str(lm_data), sample_break_mode="complete", tokens_per_sample=32))
+    task.load_dataset("test")
+    d = task.target_dictionary
+    keys = sorted(ours, key=lambda k: int(k[2:]))
+    prompts = [["</s>"] + [d[t] for t in task.dataset("test")[int(k[2:])]["target"][:3]] for k in keys]
+    # a prompt that holds a sentence's EOS (a block starting with a sentence of 1 or 2 pieces) ends fairseq's
+    # hypothesis there, where CTranslate2 goes on: those are compared without CTranslate2
+    ended = [i for i, prompt in enumerate(prompts) if "</s>" in prompt[1:]]
+    for i in ended:
+        assert ours[keys[i]][1] == " ".join(prompts[i][1:prompts[i].index("</s>", 1)]), ours[keys[i]]
+    keys, prompts = [k for i, k in enumerate(keys) if i not in ended], [p for i, p in enumerate(prompts) if i not in ended]
+    assert len(keys) >= 100, (len(keys), len(ended))
+    results = ctranslate2.Generator(str(tmp_path / "ct2"), device="cpu").generate_batch(
+        prompts, max_length=16, include_prompt_in_result=False)
+    for key, prompt, result in zip(keys, prompts, results):
+        theirs = (prompt[1:] + result.sequences[0])[:12]
+        assert " ".join(theirs) == ours[key][1], (key, theirs, ours[key])
 
 
 def test_sampling_continues_every_prompt_as_stock_does(lm_data, trained):
