@@ -502,16 +502,21 @@ def test_sampling_top_k_1_is_greedy(loaded):
 
 def next_token_reference(model, task, src_tokens, temperature, unk_penalty, topk, topp):
     """fairseq's Sampling at step 0 (EOS barred by the minimum length) for one source sentence:
-    (kept tokens, their probabilities as drawn, normalised), from a full forward pass, the masks
-    of fairseq's SequenceGenerator and search.Sampling's own cut."""
+    (kept tokens, their probabilities as drawn, normalised), from a full forward pass."""
+    d = task.target_dictionary
+    with torch.no_grad():
+        logits, _ = model(src_tokens[None], torch.tensor([src_tokens.numel()]), torch.tensor([[d.eos()]]))
+    return sampling_reference(logits[0, -1:], d, temperature, unk_penalty, topk, topp)
+
+
+def sampling_reference(logits, d, temperature, unk_penalty, topk, topp):
+    """(kept tokens, their probabilities, normalised) of fairseq's draw from one row of ``logits``
+    ([1, V]) with EOS barred: the masks of fairseq's SequenceGenerator and search.Sampling's own cut."""
     import math
 
     from fairseq.search import Sampling
 
-    d = task.target_dictionary
-    with torch.no_grad():
-        logits, _ = model(src_tokens[None], torch.tensor([src_tokens.numel()]), torch.tensor([[d.eos()]]))
-    lprobs = torch.log_softmax(logits[0, -1:].float() / temperature, dim=-1)
+    lprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     lprobs[:, d.pad()] = -math.inf
     lprobs[:, d.unk()] -= unk_penalty
     lprobs[:, d.eos()] = -math.inf

@@ -213,6 +213,47 @@ def test_device_generator_with_prefill_equals_fairseqs_generator(variant, option
     assert all(torch.equal(h["tokens"][:3], prefix[i, :3]) for i, hypos in enumerate(out) for h in hypos)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(sampling_topk=20, temperature=0.6), dict(sampling_topp=0.7)],
+                         ids=["plain", "top-k-temperature", "top-p"])
+def test_sampling_after_a_prefilled_prompt_follows_fairseqs_distribution(options):
+    """20,000 tokens sampled after one 3-token prompt (2,000 copies, beam 1, 10 rounds; the prompt prefilled,
+    EOS barred by the minimum length, one token drawn before the forced EOS) against fairseq's distribution
+    after the stock model's full forward pass, its masks (pad, the unk penalty, EOS) and its top-k / top-p
+    cut: no token outside the kept set, and a chi-square test at a fixed seed."""
+    from test_generate import chi_square, sampling_reference
+
+    from ls_fairseq.generation import LSSequenceGenerator
+
+    stock, ls, task = build_lm_pair(torch.float32, activation_fn="gelu_accurate", decoder_learned_pos=True)
+    stock.eval()
+    ls.eval()
+    d = task.target_dictionary
+    prompt = torch.tensor([d.nspecial + 5, d.nspecial + 17, d.nspecial + 2])
+    copies, rounds = 2000, 10
+    src = torch.cat([torch.tensor([d.eos()]), prompt]).repeat(copies, 1)
+    sample = {"id": torch.arange(copies), "net_input": {"src_tokens": src, "src_lengths": torch.full((copies,), 4)}}
+    temperature = options.get("temperature", 1.0)
+    gen = LSSequenceGenerator([ls], d, beam_size=1, max_len_b=4, min_len=4, unk_penalty=1.0, sampling=True,
+                              generator=torch.Generator().manual_seed(2024), **options)
+    counts = torch.zeros(len(d), dtype=torch.float64)
+    for _ in range(rounds):
+        hypos = gen.generate([ls], sample, prefix_tokens=prompt.repeat(copies, 1), bos_token=d.eos())
+        drawn = torch.stack([h[0]["tokens"] for h in hypos])
+        assert torch.equal(drawn[:, :3], prompt.repeat(copies, 1)) and drawn[:, 4].eq(d.eos()).all()
+        counts += torch.bincount(drawn[:, 3], minlength=len(d)).double()
+    n = copies * rounds
+    with torch.no_grad():
+        logits, _ = stock(src[:1])
+    ids, probs = sampling_reference(logits[0, -1:], d, temperature, 1.0, options.get("sampling_topk", -1),
+                                    options.get("sampling_topp", -1.0))
+    outside = torch.ones(len(d), dtype=torch.bool)
+    outside[ids] = False
+    assert counts[outside].sum() == 0, outside.nonzero().view(-1)[counts[outside] > 0].tolist()
+    assert ids.numel() > 1
+    p, dof = chi_square(counts[ids], n * probs)
+    assert p > 0.001, (p, dof)
+
+
 def test_the_language_modeling_task_builds_the_device_generator():
     import ls_fairseq.fairseq_plugin  # noqa: F401 (the generator hook)
     from fairseq.tasks.language_modeling import LanguageModelingTask
