@@ -50,7 +50,7 @@ def ls_checkpoint(corpus, tmp_path_factory):
                 "--arch", "ls_transformer_tiny", "--share-all-embeddings", "--dropout", "0.1",
                 "--criterion", "ls_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
                 "--optimizer", "ls_adam", "--adam-betas", "(0.9,0.98)", "--lr", "5e-3", "--lr-scheduler", "inverse_sqrt",
-                "--warmup-updates", "100", "--clip-norm", "1.0", "--max-tokens", "4096", "--max-update", "1000",
+                "--warmup-updates", "100", "--clip-norm", "1.0", "--max-tokens", "4096", "--max-update", "600",
                 "--cpu", "--num-workers", "0", "--no-progress-bar", "--log-interval", "500", "--disable-validation",
                 "--no-epoch-checkpoints", "--seed", "1"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
