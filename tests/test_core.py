@@ -73,7 +73,9 @@ def test_the_encoder_layer_matches_plain_pytorch_with_padding(normalize_before, 
 @pytest.mark.parametrize("normalize_before", [False, True])
 def test_the_encoder_layer_under_autocast_keeps_plain_pytorchs_dtypes_within_twice_its_error(normalize_before):
     """bf16 autocast on the CPU: the output in x's dtype (fp32) as the plain PyTorch layer's under the same
-    autocast, and the error against an fp64 run at most twice that layer's, output and every gradient."""
+    autocast, and the error against an fp64 run at most twice that layer's, output and every gradient (a
+    gradient's error by the norm of its difference: the largest entry's error ratio between two layers of equal
+    precision passed 2 in 6 of 400 seeded cases, the norm's stayed under 1.71)."""
     layer = EncoderLayer(64, 4, 128, normalize_before=normalize_before, activation_fn="gelu")
     B, T = 4, 9
     padding_mask = torch.zeros(B, T, dtype=torch.bool)
@@ -96,9 +98,9 @@ def test_the_encoder_layer_under_autocast_keeps_plain_pytorchs_dtypes_within_twi
     err = {n: (results[n][1] - results["oracle"][1]).abs().max().item() for n in ("plain", "ls")}
     assert err["ls"] <= 2 * err["plain"] + 1e-6, err
     for i, want in enumerate(results["oracle"][2]):
-        err_plain = (results["plain"][2][i] - want).abs().max().item()
-        err_ls = (results["ls"][2][i] - want).abs().max().item()
-        assert err_ls <= 2 * err_plain + 1e-6 * want.abs().max().item(), (i, err_ls, err_plain)
+        err_plain = (results["plain"][2][i] - want).norm().item()
+        err_ls = (results["ls"][2][i] - want).norm().item()
+        assert err_ls <= 2 * err_plain + 1e-6 * want.norm().item(), (i, err_ls, err_plain)
 
 
 def test_a_decoder_layer_with_cross_attention_runs_under_autocast():

@@ -47,6 +47,8 @@ PRELOAD = "import importlib\nfor name in {!r}:\n    importlib.import_module(name
 
 def test_the_cores_tests_pass_without_fairseq():
     script = BLOCK_FAIRSEQ + textwrap.dedent("""
+        import contextlib
+        import io
         import json
         import pytest
         try:
@@ -54,12 +56,14 @@ def test_the_cores_tests_pass_without_fairseq():
             blocked = False
         except ImportError:
             blocked = True
-        rc = pytest.main(["-q", "-p", "no:cacheprovider", "tests/test_core.py"])
-        print(json.dumps({"blocked": blocked, "rc": int(rc),
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            rc = pytest.main(["-q", "-p", "no:cacheprovider", "tests/test_core.py"])
+        print(json.dumps({"blocked": blocked, "rc": int(rc), "log": log.getvalue()[-4000:] if rc else "",
                           "fairseq": [m for m in sys.modules if m.split(".")[0] in ("fairseq", "fairseq_cli")]}))
     """)
     out = python(script)
-    assert out == {"blocked": True, "rc": 0, "fairseq": []}
+    assert out == {"blocked": True, "rc": 0, "log": "", "fairseq": []}, out["log"]  # a failure's report and seed
 
 
 def test_importing_the_core_changes_nothing_in_torch():
