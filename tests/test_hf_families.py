@@ -72,8 +72,10 @@ def test_gpt2_greedy_generate_through_hfs_kv_cache_is_identical_to_hfs():
     got = ls.generate(ids, **options)
     assert want.shape == (4, 29)
     assert torch.equal(got, want), (got, want)
-    # the cached steps matter: one forward of the whole output gives the same last-step argmax
-    full = ls(want[:, :-1], attention_mask=torch.cat([mask, torch.ones(4, 19, dtype=torch.long)], 1)).logits
+    # the cached steps matter: one forward of the whole output gives the same last-step argmax, at the positions
+    # generate gives left-padded rows (a plain forward counts the padding: HF's own then differs in 1 of 4 rows)
+    whole = torch.cat([mask, torch.ones(4, 19, dtype=torch.long)], 1)
+    full = ls(want[:, :-1], attention_mask=whole, position_ids=(whole.cumsum(-1) - 1).clamp(min=0)).logits
     assert torch.equal(full[:, -1].argmax(-1), want[:, -1])
 
 
