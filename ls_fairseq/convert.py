@@ -325,18 +325,22 @@ def _stock_model_cfg(state):
     return _plain(model)
 
 
+def dictionary_places(checkpoint, data_dir, recorded_data):
+    """The folders to look for a checkpoint's dictionaries in: ``data_dir`` if given, else the
+    checkpoint's folder, then ``recorded_data`` (the data the checkpoint was trained on)."""
+    if data_dir is not None:
+        if not os.path.isdir(data_dir):
+            raise ConversionError("--data-dir {}: no such directory".format(data_dir))
+        return [data_dir]
+    beside = [os.path.dirname(os.path.abspath(checkpoint))]
+    return beside + ([recorded_data.split(os.pathsep)[0]] if recorded_data else [])
+
+
 def find_dictionaries(checkpoint, data_dir, recorded_data, source_lang, target_lang):
     """(folder, source_lang, target_lang): where dict.SRC.txt and dict.TGT.txt are; ``data_dir`` if
     given, else the checkpoint's folder, else ``recorded_data`` (the data the checkpoint was trained
     on). The languages are the given ones, else inferred from fairseq's file names in the folder."""
-    if data_dir is not None:
-        if not os.path.isdir(data_dir):
-            raise ConversionError("--data-dir {}: no such directory".format(data_dir))
-        places = [data_dir]
-    else:
-        places = [os.path.dirname(os.path.abspath(checkpoint))]
-        if recorded_data:
-            places.append(recorded_data.split(os.pathsep)[0])
+    places = dictionary_places(checkpoint, data_dir, recorded_data)
     for place in places:
         found = sorted(os.path.basename(f)[len("dict."):-len(".txt")] for f in glob.glob(os.path.join(place, "dict.*.txt")))
         if not found:
@@ -448,13 +452,7 @@ def _lm_ctranslate2_input(state, checkpoint, data_dir, model_cfg, task_cfg, arch
     """ctranslate2_input for a language model: its one dictionary (``dict.txt``) found as a translation
     model's are, and the language_modeling task's options beside the model's, since CTranslate2's
     converter sets the task up from the model's configuration alone."""
-    if data_dir is not None:
-        if not os.path.isdir(data_dir):
-            raise ConversionError("--data-dir {}: no such directory".format(data_dir))
-        places = [data_dir]
-    else:
-        recorded = model_cfg.get("data") or task_cfg.get("data")
-        places = [os.path.dirname(os.path.abspath(checkpoint))] + ([recorded.split(os.pathsep)[0]] if recorded else [])
+    places = dictionary_places(checkpoint, data_dir, model_cfg.get("data") or task_cfg.get("data"))
     folder = next((p for p in places if os.path.isfile(os.path.join(p, "dict.txt"))), None)
     if folder is None:
         raise ConversionError("no dictionary (dict.txt) in {}: give the data-bin directory with --data-dir".format(
@@ -510,7 +508,8 @@ def main(argv=None):
                                   "fairseq's transformer_lm)")
     p.add_argument("output", help="the CTranslate2 model directory to write")
     p.add_argument("--data-dir", help="the folder of dict.SRC.txt and dict.TGT.txt, or a language model's "
-                                      "dict.txt (default: the checkpoint's folder, else the data-bin it was trained on)")
+                                      "dict.txt (default: the checkpoint's folder, else the data-bin it was "
+                                      "trained on)")
     p.add_argument("--quantization", choices=QUANTIZATIONS,
                    help="the weights' type (default: as in the checkpoint); int8 for CPUs, float16/bfloat16 or "
                         "int8_float16 for GPUs")

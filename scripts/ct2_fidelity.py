@@ -1,6 +1,6 @@
 """CTranslate2 against fairseq-generate on a trained model: the main job's (scripts/run_example.sh).
 
-  python scripts/ct2_fidelity.py --run runs/example [--threads 2] [--out FILE.md]
+  python scripts/ct2_fidelity.py --run runs/example [--threads 2] [--runs 3] [--out FILE.md]
 
 Converts the run's checkpoint_last.pt with ``python -m ls_fairseq.convert to-ctranslate2`` (float32 and int8),
 translates the test set with fairseq-generate (the ls generator, --cpu) and with ctranslate2.Translator on the
@@ -77,6 +77,7 @@ def main():
         refs = [line.rstrip("\n") for line in f]
     sources = source_pieces(data_bin)
     assert len(sources) == len(refs), (len(sources), len(refs))
+
     def speed(values):
         return "{:.0f} ({:.0f}-{:.0f})".format(statistics.median(values), min(values), max(values))
 

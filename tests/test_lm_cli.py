@@ -142,7 +142,8 @@ def test_ctranslate2_greedy_equals_fairseq_generate_on_the_converted_model(lm_da
     ended = [i for i, prompt in enumerate(prompts) if "</s>" in prompt[1:]]
     for i in ended:
         assert ours[keys[i]][1] == " ".join(prompts[i][1:prompts[i].index("</s>", 1)]), ours[keys[i]]
-    keys, prompts = [k for i, k in enumerate(keys) if i not in ended], [p for i, p in enumerate(prompts) if i not in ended]
+    keys = [k for i, k in enumerate(keys) if i not in ended]
+    prompts = [p for i, p in enumerate(prompts) if i not in ended]
     assert len(keys) >= 100, (len(keys), len(ended))
     results = ctranslate2.Generator(str(tmp_path / "ct2"), device="cpu").generate_batch(
         prompts, max_length=16, include_prompt_in_result=False)
